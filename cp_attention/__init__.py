@@ -1,0 +1,15 @@
+"""cp_attention: context-parallel (PCP + DCP) attention for long-sequence LLM inference."""
+from cp_attention.backend import CPAttentionBackend
+from cp_attention.config import CPConfig, heads_of_rank
+from cp_attention.impl.base import AttentionLayerError, BaseAttentionImpl
+from cp_attention.impl.cp import CPAttentionImpl
+from cp_attention.metadata.builder import AttentionMetadata, CPMetadataBuilder, MetadataBuilder
+from cp_attention.metadata.common import AttentionState, StepSpec
+from cp_attention.parallel import CPGroups, CPRanks
+
+__all__ = [
+    "AttentionLayerError", "AttentionMetadata", "AttentionState", "BaseAttentionImpl",
+    "CPAttentionBackend", "CPAttentionImpl", "CPConfig", "CPGroups", "CPMetadataBuilder",
+    "CPRanks", "MetadataBuilder", "StepSpec", "heads_of_rank",
+]
+__version__ = "0.1.0"

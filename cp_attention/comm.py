@@ -1,0 +1,94 @@
+"""The few collectives the CP paths use, with byte accounting and gloo fallbacks.
+
+Every function takes a process group; ``None`` means a group of one rank (identity).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+# torch >= 2.13 names the tensor-in/tensor-out collectives *_single; older releases do not.
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: dist.ProcessGroup | None) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+@dataclass
+class Communicator:
+    """Runs collectives and counts the bytes this rank sends, per collective name.
+
+    Bytes are those a ring algorithm sends from this rank: all-gather (w-1) x input,
+    reduce-scatter and all-to-all (w-1)/w x input.
+    """
+
+    bytes_sent: dict[str, int] = field(default_factory=dict)
+    calls: dict[str, int] = field(default_factory=dict)
+
+    def _count(self, name: str, nbytes: int) -> None:
+        self.bytes_sent[name] = self.bytes_sent.get(name, 0) + nbytes
+        self.calls[name] = self.calls.get(name, 0) + 1
+
+    def reset(self) -> None:
+        self.bytes_sent.clear()
+        self.calls.clear()
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes_sent.values())
+
+    def all_gather(self, tensor: torch.Tensor, group: dist.ProcessGroup | None,
+                   dim: int = 0) -> torch.Tensor:
+        """Concatenate equal-shaped tensors of all ranks along ``dim`` (rank-major)."""
+        world = group_size(group)
+        if world == 1:
+            return tensor
+        tensor = tensor.contiguous()
+        out = torch.empty((world * tensor.shape[0],) + tensor.shape[1:], dtype=tensor.dtype,
+                          device=tensor.device)
+        self._count("all_gather", tensor.numel() * tensor.element_size() * (world - 1))
+        _all_gather_tensor(out, tensor, group=group)
+        if dim != 0:
+            out = torch.cat(out.chunk(world, dim=0), dim=dim)
+        return out
+
+    def reduce_scatter(self, tensor: torch.Tensor, group: dist.ProcessGroup | None,
+                       dim: int = 0) -> torch.Tensor:
+        """Sum over ranks, then keep this rank's 1/world slice along ``dim``."""
+        world = group_size(group)
+        if world == 1:
+            return tensor
+        if tensor.shape[dim] % world:
+            raise ValueError(f"reduce_scatter: dim {dim} of size {tensor.shape[dim]} is not "
+                             f"divisible by the group size {world}")
+        parts = torch.cat(tensor.chunk(world, dim=dim), dim=0).contiguous() if dim else tensor.contiguous()
+        out = torch.empty((parts.shape[0] // world,) + parts.shape[1:], dtype=parts.dtype,
+                          device=parts.device)
+        self._count("reduce_scatter", parts.numel() * parts.element_size() * (world - 1) // world)
+        try:
+            _reduce_scatter_tensor(out, parts, group=group)
+        except (RuntimeError, NotImplementedError):  # backend without reduce-scatter
+            dist.all_reduce(parts, group=group)
+            out = parts.chunk(world, dim=0)[group_rank(group)].clone()
+        return out
+
+    def all_to_all(self, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        """tensor: [world, ...]; row j goes to rank j. Returns [world, ...]: row i from rank i."""
+        world = group_size(group)
+        if world == 1:
+            return tensor
+        if tensor.shape[0] != world:
+            raise ValueError(f"all_to_all: leading dim {tensor.shape[0]} != group size {world}")
+        tensor = tensor.contiguous()
+        out = torch.empty_like(tensor)
+        self._count("all_to_all", tensor.numel() * tensor.element_size() * (world - 1) // world)
+        dist.all_to_all_single(out, tensor, group=group)
+        return out

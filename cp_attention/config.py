@@ -1,0 +1,103 @@
+"""CPConfig: the parallel sizes and KV-cache layout of a context-parallel deployment."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KV_SHARD_POLICIES = ("cp", "dcp")
+
+
+@dataclass(frozen=True)
+class CPConfig:
+    """Sizes and KV layout, validated on construction (``ValueError`` names field and rule).
+
+    World layout (as vLLM): ``world = pcp_size * tp_size``, ``rank = pcp_rank * tp_size + tp_rank``;
+    DCP groups are ``dcp_size`` consecutive ranks of a TP group (``dcp_rank = tp_rank % dcp_size``).
+
+    kv_shard: "cp" shards each request's KV over all ``pcp*dcp`` ranks; "dcp" (vLLM's layout)
+    shards over the DCP group only, every PCP rank keeping the whole sequence of its shard.
+    decode_threshold: a request with context and at most this many new tokens is a decode
+    (1 + number of speculative tokens).
+    """
+
+    pcp_size: int = 1
+    dcp_size: int = 1
+    tp_size: int = 1
+    block_size: int = 16
+    cp_kv_interleave_size: int = 1
+    kv_shard: str = "cp"
+    decode_threshold: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("pcp_size", "dcp_size", "tp_size", "block_size", "cp_kv_interleave_size",
+                     "decode_threshold"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.tp_size % self.dcp_size:
+            raise ValueError(f"tp_size ({self.tp_size}) must be divisible by dcp_size "
+                             f"({self.dcp_size}): DCP groups live inside the TP group")
+        if self.block_size % self.cp_kv_interleave_size:
+            raise ValueError(f"block_size ({self.block_size}) must be a multiple of "
+                             f"cp_kv_interleave_size ({self.cp_kv_interleave_size})")
+        if self.kv_shard not in KV_SHARD_POLICIES:
+            raise ValueError(f"kv_shard must be one of {KV_SHARD_POLICIES}, got {self.kv_shard!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.pcp_size * self.tp_size
+
+    @property
+    def cp_world(self) -> int:
+        """Ranks that share one request's computation: pcp_size * dcp_size."""
+        return self.pcp_size * self.dcp_size
+
+    @property
+    def kv_world(self) -> int:
+        """Number of shards of each request's KV cache."""
+        return self.cp_world if self.kv_shard == "cp" else self.dcp_size
+
+    @property
+    def uses_cp(self) -> bool:
+        return self.pcp_size > 1 or self.dcp_size > 1
+
+    def kv_rank(self, pcp_rank: int, dcp_rank: int) -> int:
+        """This rank's KV shard index (``cp_rank = pcp_rank * dcp_size + dcp_rank`` for "cp")."""
+        return pcp_rank * self.dcp_size + dcp_rank if self.kv_shard == "cp" else dcp_rank
+
+    def validate_heads(self, num_heads: int, num_kv_heads: int) -> None:
+        """Check a model's head counts against tp/dcp (vLLM's GQA rules for DCP)."""
+        if num_heads < 1 or num_kv_heads < 1:
+            raise ValueError(f"num_heads ({num_heads}) and num_kv_heads ({num_kv_heads}) must be >= 1")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        if num_heads % self.tp_size:
+            raise ValueError(f"num_heads ({num_heads}) must be divisible by tp_size ({self.tp_size})")
+        if num_kv_heads >= self.tp_size:
+            if num_kv_heads % self.tp_size:
+                raise ValueError(f"num_kv_heads ({num_kv_heads}) must be divisible by tp_size "
+                                 f"({self.tp_size}) when it is not smaller")
+        elif self.tp_size % num_kv_heads:
+            raise ValueError(f"tp_size ({self.tp_size}) must be divisible by num_kv_heads "
+                             f"({num_kv_heads}) when KV heads are replicated")
+        if self.dcp_size > 1:
+            replicas = self.tp_size // num_kv_heads
+            if replicas < self.dcp_size or replicas % self.dcp_size:
+                raise ValueError(
+                    f"dcp_size ({self.dcp_size}) needs each KV head replicated on a multiple of "
+                    f"dcp_size TP ranks: tp_size // num_kv_heads = {self.tp_size} // {num_kv_heads}"
+                    f" = {replicas} must be >= dcp_size and divisible by it")
+            if (num_heads // num_kv_heads) % self.dcp_size:
+                raise ValueError(f"(num_heads / num_kv_heads) = {num_heads // num_kv_heads} must be "
+                                 f"divisible by dcp_size ({self.dcp_size})")
+
+
+def heads_of_rank(num_heads: int, num_kv_heads: int, tp_size: int, tp_rank: int
+                  ) -> tuple[range, range]:
+    """Query heads and KV heads held by a TP rank (KV heads replicated when fewer than tp)."""
+    q_per_rank = num_heads // tp_size
+    q_heads = range(tp_rank * q_per_rank, (tp_rank + 1) * q_per_rank)
+    if num_kv_heads >= tp_size:
+        kv_per_rank = num_kv_heads // tp_size
+        return q_heads, range(tp_rank * kv_per_rank, (tp_rank + 1) * kv_per_rank)
+    kv_head = tp_rank // (tp_size // num_kv_heads)
+    return q_heads, range(kv_head, kv_head + 1)

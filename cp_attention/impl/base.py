@@ -1,0 +1,185 @@
+"""Single-device attention impl: every state, from one general plan.
+
+Each query row gets (a) attention over the step's own new tokens (causal, bottom-right) and
+(b) attention over the request's cached context; the two partials merge by LSE. The CP impl
+(:mod:`cp_attention.impl.cp`) overrides only the hooks that move data between ranks.
+"""
+from __future__ import annotations
+
+import torch
+
+from cp_attention.metadata.builder import AttentionMetadata
+from cp_attention.ops import AttentionOps, get_ops
+
+ATTN_TYPES = ("decoder", "encoder_only", "encoder", "encoder_decoder")
+
+
+class AttentionLayerError(ValueError):
+    """A forward call that cannot be served (bad buffers, shapes or unsupported options)."""
+
+
+class BaseAttentionImpl:
+    """Attention of one layer on one rank. Shapes: q [T, Hq, D], k/v [T, Hkv, D] (or flat)."""
+
+    supports_pcp = False
+    supports_dcp = False
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
+                 sliding_window: int | None = None, attn_type: str = "decoder",
+                 kv_cache_dtype: str = "auto", ops: AttentionOps | None = None,
+                 groups=None) -> None:
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if attn_type not in ATTN_TYPES:
+            raise ValueError(f"attn_type must be one of {ATTN_TYPES}, got {attn_type!r}")
+        if attn_type in ("encoder", "encoder_decoder"):
+            raise NotImplementedError(f"attn_type {attn_type!r} (cross-attention) is not supported; "
+                                      "use 'decoder' or 'encoder_only'")
+        if num_heads < 1 or num_kv_heads < 1 or num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a positive multiple of "
+                             f"num_kv_heads ({num_kv_heads})")
+        if head_size < 1:
+            raise ValueError(f"head_size must be >= 1, got {head_size}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+        if kv_cache_dtype != "auto":
+            raise NotImplementedError(f"kv_cache_dtype {kv_cache_dtype!r} (quantized KV cache) is "
+                                      "not supported; use 'auto'")
+        self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
+        self.scale = float(scale)
+        self.sliding_window = sliding_window
+        self.attn_type = attn_type
+        self.causal = attn_type == "decoder"
+        self.groups = groups
+        self.ops = ops if ops is not None else get_ops(groups.device if groups is not None else "cpu")
+
+    # -- guards ------------------------------------------------------------------------
+    def _check_call(self, layer, query, key, value, kv_cache, meta, output, output_scale,
+                    output_block_scale) -> None:
+        if output is None:
+            raise AttentionLayerError("output buffer is required (forward writes into it)")
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("fused output quantization is not supported")
+        for name in ("_k_scale_float", "_v_scale_float"):
+            scale = getattr(layer, name, 1.0) if layer is not None else 1.0
+            if scale != 1.0:
+                raise NotImplementedError(f"layer.{name} = {scale}: scaled (quantized) K/V is "
+                                          "not supported; scales must be 1.0")
+        if meta.sliding_window != self.sliding_window:
+            raise AttentionLayerError(f"metadata was built for sliding_window="
+                                      f"{meta.sliding_window} but this layer uses "
+                                      f"{self.sliding_window}")
+        rows = meta.num_input_tokens
+        for name, tensor, heads in (("query", query, self.num_heads), ("key", key, self.num_kv_heads),
+                                    ("value", value, self.num_kv_heads),
+                                    ("output", output, self.num_heads)):
+            if tensor.shape[0] < meta.num_actual_tokens:
+                raise AttentionLayerError(f"{name} has {tensor.shape[0]} rows, metadata has "
+                                          f"{meta.num_actual_tokens}")
+            if tensor[0].numel() != heads * self.head_size:
+                raise AttentionLayerError(f"{name} rows hold {tensor[0].numel()} values, expected "
+                                          f"{heads} heads x {self.head_size}")
+            if tensor.device != query.device:
+                raise AttentionLayerError(f"{name} is on {tensor.device}, query on {query.device}")
+        del rows
+        if not query.dtype.is_floating_point or key.dtype != query.dtype or value.dtype != query.dtype:
+            raise AttentionLayerError(f"query/key/value dtypes must match floating dtypes, got "
+                                      f"{query.dtype}/{key.dtype}/{value.dtype}")
+        if self.attn_type == "encoder_only":
+            if meta.has_context or meta.num_decodes:
+                raise AttentionLayerError("encoder_only attention takes prefills without context")
+        elif kv_cache is None:
+            raise AttentionLayerError("decoder attention needs a kv_cache")
+        if kv_cache is not None and self.attn_type == "decoder":
+            expected = (2, kv_cache.shape[1], kv_cache.shape[2], self.num_kv_heads, self.head_size)
+            if kv_cache.dim() != 5 or tuple(kv_cache.shape) != expected:
+                raise AttentionLayerError(f"kv_cache shape {tuple(kv_cache.shape)} must be "
+                                          f"(2, num_blocks, block_size, {self.num_kv_heads}, "
+                                          f"{self.head_size})")
+            if kv_cache.dtype != key.dtype or kv_cache.device != key.device:
+                raise AttentionLayerError(f"kv_cache is {kv_cache.dtype} on {kv_cache.device}, "
+                                          f"key is {key.dtype} on {key.device}")
+
+    # -- hooks (identity on one device) ------------------------------------------------
+    def _step_kv(self, key: torch.Tensor, value: torch.Tensor, meta: AttentionMetadata
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of the step rows (all new tokens of the step, restored)."""
+        return key, value
+
+    def _context_queries(self, query: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Queries that attend this rank's cached context: [context rows, heads, D]."""
+        return query
+
+    def _combine_context(self, out: torch.Tensor, lse: torch.Tensor, meta: AttentionMetadata
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Partials over this rank's context -> full context attention of the local rows."""
+        return out, lse
+
+    def _prefill_self_attention(self, q, step_k, step_v, meta):
+        """Local prefill rows over the step's prefill tokens."""
+        start = meta.num_decode_tokens
+        q_pre = q[start:]
+        k_pre, v_pre = step_k[start:], step_v[start:]
+        if not self.causal:
+            k_pre, v_pre = k_pre[meta.prefill_real_kv_idx - start], v_pre[meta.prefill_real_kv_idx - start]
+            return self.ops.varlen_attention(q_pre, k_pre, v_pre, meta.prefill_cu_seqlens,
+                                             meta.prefill_real_cu_seqlens, scale=self.scale,
+                                             causal=False)
+        cu = meta.prefill_cu_seqlens
+        return self.ops.varlen_attention(q_pre, k_pre, v_pre, cu, cu, scale=self.scale,
+                                         causal=True, window=self.sliding_window)
+
+    # -- forward -------------------------------------------------------------------------
+    def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor | None, attn_metadata: AttentionMetadata,
+                output: torch.Tensor | None = None, output_scale=None,
+                output_block_scale=None) -> torch.Tensor:
+        """Compute attention for the metadata's local rows into ``output`` and return it."""
+        meta = attn_metadata
+        self._check_call(layer, query, key, value, kv_cache, meta, output, output_scale,
+                         output_block_scale)
+        rows, dim = meta.num_actual_tokens, self.head_size
+        q = query[:rows].reshape(rows, self.num_heads, dim)
+        k = key[:rows].reshape(rows, self.num_kv_heads, dim)
+        v = value[:rows].reshape(rows, self.num_kv_heads, dim)
+        pad_rows = meta.local_token_idx[:rows].to(q.device) < 0
+        if bool(pad_rows.any()):  # padding may hold anything: keep it out of the sums
+            k = k.masked_fill(pad_rows[:, None, None], 0)
+            v = v.masked_fill(pad_rows[:, None, None], 0)
+
+        step_k, step_v = self._step_kv(k, v, meta)
+        if kv_cache is not None and self.attn_type == "decoder":
+            self.ops.reshape_and_cache(step_k, step_v, kv_cache[0], kv_cache[1],
+                                       meta.step_slot_mapping.to(q.device))
+
+        out, lse = self._self_attention(q, k, v, step_k, step_v, meta)
+        if meta.has_context and self.attn_type == "decoder":
+            q_ctx = self._context_queries(q, meta)
+            ctx_out, ctx_lse = self.ops.paged_attention(
+                q_ctx, kv_cache[0], kv_cache[1], meta.ctx_block_table.to(q.device),
+                meta.ctx_cu_seqlens, meta.ctx_seq_lens, scale=self.scale,
+                kv_start=meta.ctx_kv_start, kv_end=meta.ctx_kv_end)
+            ctx_out, ctx_lse = self._combine_context(ctx_out, ctx_lse, meta)
+            out, lse = self.ops.merge_attn_states(out, lse, ctx_out.to(out.dtype), ctx_lse.to(lse.dtype))
+
+        out = out.masked_fill(pad_rows[:, None, None], 0)
+        out_view = output.view(output.shape[0], -1)
+        out_view[:rows] = out.reshape(rows, -1).to(output.dtype)
+        out_view[rows:] = 0
+        return output
+
+    def _self_attention(self, q, k, v, step_k, step_v, meta):
+        """Attention of every local row over the step's own new tokens."""
+        num_dec = meta.num_decode_tokens
+        rows = q.shape[0]
+        if num_dec == rows:
+            return self._decode_self_attention(q, k, v, meta)
+        if num_dec == 0:
+            return self._prefill_self_attention(q, step_k, step_v, meta)
+        dec_out, dec_lse = self._decode_self_attention(q[:num_dec], k[:num_dec], v[:num_dec], meta)
+        pre_out, pre_lse = self._prefill_self_attention(q, step_k, step_v, meta)
+        return torch.cat([dec_out, pre_out]), torch.cat([dec_lse, pre_lse])
+
+    def _decode_self_attention(self, q, k, v, meta):
+        cu = meta.decode_cu_seqlens
+        return self.ops.varlen_attention(q, k, v, cu, cu, scale=self.scale, causal=True,
+                                         window=self.sliding_window)

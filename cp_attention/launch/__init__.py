@@ -1,0 +1,1 @@
+"""Entry points: the local demo (``cp-attn``) and torchrun runners."""

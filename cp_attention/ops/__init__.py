@@ -1,0 +1,26 @@
+"""Attention primitives behind one interface; :func:`get_ops` picks the implementation."""
+from __future__ import annotations
+
+import torch
+
+from cp_attention.ops.interface import AttentionOps
+from cp_attention.ops.merge import merge_attn_states, merge_many
+from cp_attention.ops.reference import ReferenceOps
+
+__all__ = ["AttentionOps", "ReferenceOps", "get_ops", "merge_attn_states", "merge_many"]
+
+
+def get_ops(device: torch.device | str = "cpu", kind: str = "auto") -> AttentionOps:
+    """Ops for ``device``. ``kind``: "auto" (device kernels where available), "reference"."""
+    device = torch.device(device)
+    if kind == "reference" or (kind == "auto" and device.type == "cpu"):
+        return ReferenceOps()
+    if kind not in ("auto", "npu", "cuda"):
+        raise ValueError(f"ops kind must be 'auto', 'reference', 'npu' or 'cuda', got {kind!r}")
+    if device.type == "npu" or kind == "npu":
+        from cp_attention.ops.npu import NpuOps  # needs torch_npu
+        return NpuOps()
+    if device.type == "cuda" or kind == "cuda":
+        from cp_attention.ops.cuda import CudaOps
+        return CudaOps()
+    return ReferenceOps()

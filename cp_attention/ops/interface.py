@@ -1,0 +1,97 @@
+"""The attention primitives every device backend provides.
+
+All ops take packed token-major tensors (TND: ``[tokens, heads, head_size]``) and return
+the attention output together with its log-sum-exp so that partial results can be merged
+exactly. Outputs of the attention ops are in the accumulation dtype (float32, or float64 for
+float64 inputs): partial results are merged in that precision and cast once by the caller.
+
+Mask conventions (shared by every implementation):
+  * causal masks are bottom-right aligned: in a request with ``n_q`` queries and ``n_k`` keys,
+    query ``i`` sits at key position ``n_k - n_q + i`` and sees keys ``<=`` that position;
+  * a sliding window ``w`` additionally hides keys at positions ``<= pos - w``;
+  * a query row that sees no key at all returns output 0 and LSE ``-inf`` (never NaN).
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class AttentionOps(Protocol):
+    """One device's implementation of the primitives used by the backends."""
+
+    name: str
+
+    def varlen_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        *,
+        scale: float,
+        causal: bool,
+        window: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of packed queries over packed keys, request by request.
+
+        q: [Tq, Hq, D]; k, v: [Tk, Hkv, D] with Hq % Hkv == 0 (GQA/MQA);
+        cu_seqlens_q / cu_seqlens_k: [R + 1] cumulative lengths (int64, on any device).
+        Returns out [Tq, Hq, D] (accumulation dtype) and lse [Tq, Hq] (float32/float64).
+        """
+        ...
+
+    def paged_attention(
+        self,
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        seq_lens: torch.Tensor,
+        *,
+        scale: float,
+        kv_start: torch.Tensor | None = None,
+        kv_end: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of packed queries over a paged KV cache.
+
+        q: [Tq, Hq, D]; key_cache, value_cache: [num_blocks, block_size, Hkv, D];
+        block_table: [R, max_blocks] (block ids of each request, in order);
+        cu_seqlens_q: [R + 1]; seq_lens: [R] cached tokens of each request.
+        kv_start / kv_end: optional [Tq] per-query visible key range ``[start, end)`` of the
+        request's cached tokens (clipped to ``[0, seq_len)``). They express a causal offset
+        (speculative tokens), a sliding window and a rank's local view of a sharded cache.
+        Returns out [Tq, Hq, D] (accumulation dtype) and lse [Tq, Hq].
+        """
+        ...
+
+    def reshape_and_cache(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Store key/value rows [T, Hkv, D] at ``slot = block * block_size + offset``.
+
+        Rows whose slot is -1 are skipped (tokens owned by another rank, padding).
+        """
+        ...
+
+    def merge_attn_states(
+        self,
+        out_a: torch.Tensor,
+        lse_a: torch.Tensor,
+        out_b: torch.Tensor,
+        lse_b: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Exact merge of two partial attentions over disjoint key sets.
+
+        out_*: [T, H, D]; lse_*: [T, H]. Returns (out, lse) with
+        ``out = (e^{lse_a} out_a + e^{lse_b} out_b) / (e^{lse_a} + e^{lse_b})``; ``-inf`` safe.
+        """
+        ...

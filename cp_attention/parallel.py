@@ -1,0 +1,110 @@
+"""Process groups of a CP deployment: pcp, tp, dcp and the KV-sharding group.
+
+Groups are created once from the default process group (``torchrun`` environment or an
+existing group); the communication backend follows the device: gloo (cpu), nccl (cuda),
+hccl (npu). This is the only module that creates groups.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from cp_attention.config import CPConfig
+
+_BACKEND_BY_DEVICE = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+
+
+def backend_for_device(device: torch.device | str) -> str:
+    """The collective backend for a device type."""
+    device_type = torch.device(device).type
+    if device_type not in _BACKEND_BY_DEVICE:
+        raise ValueError(f"no collective backend known for device type {device_type!r}")
+    return _BACKEND_BY_DEVICE[device_type]
+
+
+def detect_device() -> torch.device:
+    """NPU if torch_npu is usable, else CUDA, else CPU (local rank picks the device index)."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if hasattr(torch, "npu") and torch.npu.is_available():  # registered by torch_npu
+        return torch.device("npu", local_rank)
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class CPRanks:
+    """This process's coordinates; pure data, used by metadata planners."""
+
+    pcp_rank: int = 0
+    tp_rank: int = 0
+    dcp_rank: int = 0
+
+    @classmethod
+    def of(cls, config: CPConfig, rank: int) -> "CPRanks":
+        if not 0 <= rank < config.world_size:
+            raise ValueError(f"rank ({rank}) must be in [0, world_size={config.world_size})")
+        pcp_rank, tp_rank = divmod(rank, config.tp_size)
+        return cls(pcp_rank, tp_rank, tp_rank % config.dcp_size)
+
+
+@dataclass
+class CPGroups:
+    """The process groups this rank belongs to (None where a group has one member)."""
+
+    config: CPConfig
+    ranks: CPRanks
+    device: torch.device
+    pcp_group: dist.ProcessGroup | None = None
+    tp_group: dist.ProcessGroup | None = None
+    dcp_group: dist.ProcessGroup | None = None
+    kv_group: dist.ProcessGroup | None = None  # ranks sharing one KV head slice, in kv_rank order
+
+    @classmethod
+    def single(cls, config: CPConfig | None = None, device: str | torch.device = "cpu") -> "CPGroups":
+        """A one-process deployment (no groups)."""
+        config = config or CPConfig()
+        if config.world_size != 1:
+            raise ValueError(f"single() needs world_size 1, got {config.world_size}")
+        return cls(config, CPRanks(), torch.device(device))
+
+    @classmethod
+    def create(cls, config: CPConfig, device: torch.device | str | None = None,
+               timeout_s: float | None = None) -> "CPGroups":
+        """Create all groups; initializes the default group from the environment if needed.
+
+        Must be called by every rank of the world in the same order.
+        """
+        device = torch.device(device) if device is not None else detect_device()
+        if not dist.is_initialized():
+            kwargs = {}
+            if timeout_s is not None:
+                import datetime
+                kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+            dist.init_process_group(backend_for_device(device), **kwargs)
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if world != config.world_size:
+            raise ValueError(f"world size {world} != pcp_size * tp_size = {config.world_size}")
+        ranks = CPRanks.of(config, rank)
+        pcp, tp, dcp = config.pcp_size, config.tp_size, config.dcp_size
+        groups = {"pcp_group": None, "tp_group": None, "dcp_group": None, "kv_group": None}
+
+        def make(name: str, members_list: list[list[int]]) -> None:
+            for members in members_list:  # every rank creates every group, in the same order
+                group = dist.new_group(members) if len(members) > 1 else None
+                if rank in members:
+                    groups[name] = group
+
+        make("pcp_group", [[p * tp + t for p in range(pcp)] for t in range(tp)])
+        make("tp_group", [[p * tp + t for t in range(tp)] for p in range(pcp)])
+        make("dcp_group", [[p * tp + b * dcp + d for d in range(dcp)]
+                           for p in range(pcp) for b in range(tp // dcp)])
+        if config.kv_shard == "cp":
+            make("kv_group", [[p * tp + b * dcp + d for p in range(pcp) for d in range(dcp)]
+                              for b in range(tp // dcp)])
+        else:
+            groups["kv_group"] = groups["dcp_group"]
+        return cls(config, ranks, device, **groups)

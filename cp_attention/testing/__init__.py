@@ -1,0 +1,1 @@
+"""Shared by tests, the demo and launch scripts: fp64 reference, workloads, a gloo rank pool."""

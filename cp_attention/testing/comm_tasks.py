@@ -1,0 +1,35 @@
+"""Pool tasks that exercise :mod:`cp_attention.comm` and :mod:`cp_attention.parallel`."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from cp_attention.comm import Communicator, group_rank, group_size
+from cp_attention.config import CPConfig
+
+
+def collectives_task(rank: int, get_groups, config: CPConfig) -> dict:
+    """Run each collective on the pcp/dcp/kv groups; return what this rank saw."""
+    groups = get_groups(config)
+    comm = Communicator()
+    seen = {"ranks": groups.ranks}
+    for name in ("pcp_group", "dcp_group", "kv_group", "tp_group"):
+        group = getattr(groups, name)
+        size, me = group_size(group), group_rank(group)
+        x = torch.full((2, 3), float(rank))
+        gathered = comm.all_gather(x, group)
+        gathered_dim1 = comm.all_gather(x, group, dim=1)
+        summed = comm.reduce_scatter(torch.arange(size * 4, dtype=torch.float32).view(size * 2, 2)
+                                     * (rank + 1), group)
+        summed_dim1 = comm.reduce_scatter(torch.ones(3, size * 2) * (rank + 1), group, dim=1)
+        a2a = comm.all_to_all(torch.arange(size, dtype=torch.float32).view(size, 1) + 100 * rank, group)
+        members = [None] * size
+        if group is not None:
+            dist.all_gather_object(members, rank, group=group)
+        else:
+            members = [rank]
+        seen[name] = dict(size=size, me=me, members=members, gathered=gathered[:, 0].tolist(),
+                          gathered_dim1_shape=tuple(gathered_dim1.shape), summed=summed.tolist(),
+                          summed_dim1=summed_dim1.tolist(), a2a=a2a[:, 0].tolist())
+    seen["bytes"] = dict(comm.bytes_sent)
+    return seen

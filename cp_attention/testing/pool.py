@@ -1,0 +1,124 @@
+"""A persistent pool of gloo ranks on 127.0.0.1 that runs the same task on every rank.
+
+Spawning and connecting processes costs seconds; a pool pays it once and then runs many
+tasks (a task is an importable function ``fn(rank, get_groups, *args)``). A rank that raises
+or a task that exceeds its timeout fails the call with every rank's traceback, and the pool
+restarts on the next call.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import queue
+import socket
+import traceback
+from datetime import timedelta
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, inbox, outbox, collective_timeout_s: float) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from cp_attention.parallel import CPGroups
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=collective_timeout_s))
+    groups_cache: dict = {}
+
+    def get_groups(config):
+        if config not in groups_cache:
+            groups_cache[config] = CPGroups.create(config, "cpu")
+        return groups_cache[config]
+
+    while True:
+        task = inbox.get()
+        if task is None:
+            break
+        fn_path, args = task
+        module, name = fn_path.rsplit(".", 1)
+        try:
+            result = getattr(importlib.import_module(module), name)(rank, get_groups, *args)
+            outbox.put((rank, True, result))
+        except BaseException:  # report, keep serving
+            outbox.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    """``world_size`` gloo processes serving tasks; use as a context manager or call close()."""
+
+    def __init__(self, world_size: int, collective_timeout_s: float = 60.0) -> None:
+        self.world_size = world_size
+        self.collective_timeout_s = collective_timeout_s
+        self._procs: list = []
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self._inboxes = [ctx.Queue() for _ in range(self.world_size)]
+        self._outbox = ctx.Queue()
+        env_threads = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = "1"
+        try:
+            self._procs = [ctx.Process(target=_worker, daemon=True,
+                                       args=(r, self.world_size, port, self._inboxes[r],
+                                             self._outbox, self.collective_timeout_s))
+                           for r in range(self.world_size)]
+            for proc in self._procs:
+                proc.start()
+        finally:
+            if env_threads is None:
+                os.environ.pop("OMP_NUM_THREADS", None)
+            else:
+                os.environ["OMP_NUM_THREADS"] = env_threads
+
+    def run(self, fn_path: str, *args, timeout_s: float = 120.0) -> list:
+        """Run ``fn_path(rank, get_groups, *args)`` on every rank; results in rank order."""
+        if not self._procs or not all(p.is_alive() for p in self._procs):
+            self.close()
+            self._start()
+        for inbox in self._inboxes:
+            inbox.put((fn_path, args))
+        results, errors = {}, {}
+        try:
+            while len(results) + len(errors) < self.world_size:
+                rank, ok, value = self._outbox.get(timeout=timeout_s)
+                (results if ok else errors)[rank] = value
+        except queue.Empty:
+            self.close()
+            raise TimeoutError(f"{fn_path}: ranks {sorted(set(range(self.world_size)) - set(results) - set(errors))}"
+                               f" did not finish within {timeout_s} s; errors: {errors}") from None
+        if errors:
+            self.close()  # ranks may be stuck in a collective: restart next time
+            detail = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+            raise RuntimeError(f"{fn_path} failed on ranks {sorted(errors)}:\n{detail}")
+        return [results[r] for r in range(self.world_size)]
+
+    def close(self) -> None:
+        for proc in self._procs:
+            if proc.is_alive():
+                try:
+                    self._inboxes[self._procs.index(proc)].put(None)
+                except Exception:
+                    pass
+        for proc in self._procs:
+            proc.join(timeout=2)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=2)
+        self._procs = []
+
+    def __enter__(self) -> "RankPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,29 @@
+"""Shared fixtures: gloo rank pools (spawned once per test session and size)."""
+from __future__ import annotations
+
+import pytest
+
+from cp_attention.testing.pool import RankPool
+
+_POOLS: dict[int, RankPool] = {}
+
+
+def rank_pool(world_size: int) -> RankPool:
+    """A live pool of ``world_size`` gloo ranks, shared by every test of the session."""
+    if world_size not in _POOLS:
+        _POOLS[world_size] = RankPool(world_size)
+    return _POOLS[world_size]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _close_pools():
+    yield
+    for pool in _POOLS.values():
+        pool.close()
+    _POOLS.clear()
+
+
+@pytest.fixture(scope="session")
+def pools():
+    """``pools(n)`` returns the session's pool of n gloo ranks."""
+    return rank_pool

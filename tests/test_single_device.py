@@ -1,0 +1,174 @@
+"""Single-device backend: every attention state and multi-step runs against the fp64 oracle."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from cp_attention import (AttentionState, CPAttentionBackend, CPConfig, MetadataBuilder, StepSpec)
+from cp_attention.impl.base import AttentionLayerError, BaseAttentionImpl
+from cp_attention.testing.workload import Workload, run_workload
+
+TOL = {"float32": 2e-5, "bfloat16": 3e-2, "float16": 4e-3}
+
+
+def _run(steps, dtype="float32", **kw):
+    config = CPConfig(block_size=kw.pop("block_size", 16), decode_threshold=kw.pop("threshold", 1))
+    rep = run_workload(Workload(config, tuple(steps), dtype=dtype, **kw))
+    assert not rep.any_nan and rep.cache_exact
+    return rep
+
+
+STATE_STEPS = {
+    AttentionState.PrefillNoCache: [((0, 37), (1, 5), (2, 1))],
+    AttentionState.PrefillCacheHit: [((0, 20), (1, 16)), ((0, 13), (1, 40))],
+    AttentionState.DecodeOnly: [((0, 20), (1, 3)), ((0, 1), (1, 1))],
+    AttentionState.ChunkedPrefill: [((0, 20), (1, 3)), ((0, 1), (1, 30), (2, 17))],
+    AttentionState.SpecDecoding: [((0, 20), (1, 3)), ((0, 4), (1, 2))],
+}
+
+
+@pytest.mark.parametrize("state", list(STATE_STEPS), ids=lambda s: s.name)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("num_kv_heads", [4, 1])
+def test_each_state_matches_reference(state, dtype, num_kv_heads):
+    steps = STATE_STEPS[state]
+    threshold = 4 if state == AttentionState.SpecDecoding else 1
+    config = CPConfig(decode_threshold=threshold)
+    last = steps[-1]
+    computed = {}
+    for step in steps[:-1]:
+        for r, n in step:
+            computed[r] = computed.get(r, 0) + n
+    spec = StepSpec(tuple(computed.get(r, 0) for r, _ in last), tuple(n for _, n in last),
+                    torch.zeros(len(last), 8, dtype=torch.int32))
+    assert MetadataBuilder(config).build(spec).state == state
+    rep = _run(steps, dtype, threshold=threshold, num_heads=4, num_kv_heads=num_kv_heads)
+    assert rep.max_err <= TOL[dtype]
+
+
+@pytest.mark.parametrize("window", [1, 6, 64])
+def test_sliding_window_prefill_and_decode(window):
+    steps = [((0, 50), (1, 9)), ((0, 1), (1, 1)), ((0, 20), (1, 1)), ((0, 1),)]
+    rep = _run(steps, sliding_window=window, num_kv_heads=2)
+    assert rep.max_err <= TOL["float32"]
+
+
+def test_encoder_only_is_bidirectional():
+    rep = run_workload(Workload(CPConfig(), (((0, 33), (1, 1), (2, 7)),), encoder_only=True))
+    assert rep.max_err <= TOL["float32"] and not rep.any_nan
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_random_multistep_runs(data):
+    num_reqs = data.draw(st.integers(1, 5))
+    steps, started = [], set()
+    for _ in range(data.draw(st.integers(1, 5))):
+        reqs = data.draw(st.lists(st.integers(0, num_reqs - 1), min_size=1, max_size=num_reqs,
+                                  unique=True))
+        step = []
+        for r in reqs:
+            new = data.draw(st.integers(1, 3)) if r in started and data.draw(st.booleans()) \
+                else data.draw(st.integers(1, 70))
+            step.append((r, new))
+            started.add(r)
+        steps.append(tuple(step))
+    block = data.draw(st.sampled_from([16, 128]))
+    rep = _run(steps, block_size=block, threshold=3, num_kv_heads=data.draw(st.sampled_from([1, 4])))
+    assert rep.max_err <= TOL["float32"]
+
+
+def test_prefill_then_decodes_then_chunked_prefill():
+    steps = [((0, 300),)] + [((0, 1),)] * 6 + [((0, 1), (1, 100)), ((0, 1), (1, 100)), ((1, 1),)]
+    rep = _run(steps, block_size=16, num_heads=8, num_kv_heads=2)
+    assert rep.max_err <= TOL["float32"]
+    assert len(rep.max_err_per_step) == len(steps)
+
+
+def test_graph_capture_padding_zeroes_extra_rows():
+    config = CPConfig()
+    builder = MetadataBuilder(config)
+    meta = builder.build_for_graph_capture(4)
+    assert meta.state == AttentionState.DecodeOnly and meta.num_actual_tokens == 4
+    spec = StepSpec((3, 5), (1, 1), torch.tensor([[0], [1]], dtype=torch.int32))
+    meta = builder.build(spec, num_input_tokens=8)
+    assert meta.num_input_tokens == 8 and meta.local_token_idx.tolist()[2:] == [-1] * 6
+    impl = BaseAttentionImpl(num_heads=2, head_size=8, scale=0.3)
+    cache = torch.randn(CPAttentionBackend.get_kv_cache_shape(2, 16, 2, 8))
+    q = torch.randn(8, 2, 8)
+    out = torch.full_like(q, 7.0)
+    impl.forward(None, q, q[:, :2], q[:, :2], cache, meta, output=out)
+    assert (out[2:] == 0).all() and not (out[:2] == 7.0).any()
+    with pytest.raises(ValueError, match="num_input_tokens"):
+        builder.build(spec, num_input_tokens=1)
+
+
+def test_backend_surface_and_routing():
+    backend = CPAttentionBackend
+    assert backend.get_name() == "CP_ATTENTION"
+    assert backend.get_kv_cache_shape(10, 16, 2, 64) == (2, 10, 16, 2, 64)
+    assert backend.get_bsh_kv_cache_shape(10, 16, 2, 64) == (2, 10, 16, 128)
+    assert 16 in backend.get_supported_block_sizes() and 128 in backend.get_supported_block_sizes()
+    from cp_attention import CPAttentionImpl, CPMetadataBuilder
+    assert backend.get_impl_cls(CPConfig()) is BaseAttentionImpl
+    assert backend.get_builder_cls(CPConfig()) is MetadataBuilder
+    assert backend.get_impl_cls(CPConfig(pcp_size=2)) is CPAttentionImpl
+    assert backend.get_impl_cls(CPConfig(tp_size=2, dcp_size=2)) is CPAttentionImpl
+    assert backend.get_builder_cls(CPConfig(pcp_size=2)) is CPMetadataBuilder
+    with pytest.raises(ValueError, match="num_blocks"):
+        backend.get_kv_cache_shape(0, 16, 2, 64)
+
+
+def test_swap_and_copy_blocks():
+    src = torch.randn(2, 5, 4, 1, 8)
+    dst = torch.zeros(2, 6, 4, 1, 8)
+    CPAttentionBackend.swap_blocks(src, dst, torch.tensor([[0, 5], [3, 1]]))
+    assert torch.equal(dst[:, 5], src[:, 0]) and torch.equal(dst[:, 1], src[:, 3])
+    assert (dst[:, [0, 2, 3, 4]] == 0).all()
+    caches = [torch.randn(2, 5, 4, 1, 8) for _ in range(2)]
+    before = [c.clone() for c in caches]
+    CPAttentionBackend.copy_blocks(caches, torch.tensor([[1, 4], [2, 0]]))
+    for c, b in zip(caches, before):
+        assert torch.equal(c[:, 4], b[:, 1]) and torch.equal(c[:, 0], b[:, 2])
+        assert torch.equal(c[:, [1, 2, 3]], b[:, [1, 2, 3]])
+
+
+def _layer_inputs():
+    builder = MetadataBuilder(CPConfig())
+    meta = builder.build(StepSpec((0,), (5,), torch.zeros(1, 1, dtype=torch.int32)))
+    q = torch.randn(5, 2, 8)
+    cache = torch.zeros(2, 2, 16, 2, 8)
+    return meta, q, cache
+
+
+def test_forward_guards():
+    meta, q, cache = _layer_inputs()
+    impl = BaseAttentionImpl(num_heads=2, head_size=8, scale=0.3)
+    with pytest.raises(AttentionLayerError, match="output buffer is required"):
+        impl.forward(None, q, q, q, cache, meta)
+    with pytest.raises(NotImplementedError, match="fused output quantization"):
+        impl.forward(None, q, q, q, cache, meta, output=q.clone(), output_scale=torch.ones(1))
+
+    class Layer:
+        _k_scale_float = 0.5
+        _v_scale_float = 1.0
+    with pytest.raises(NotImplementedError, match="_k_scale_float"):
+        impl.forward(Layer(), q, q, q, cache, meta, output=q.clone())
+    with pytest.raises(NotImplementedError, match="cross-attention"):
+        BaseAttentionImpl(num_heads=2, head_size=8, scale=0.3, attn_type="encoder_decoder")
+    with pytest.raises(AttentionLayerError, match="kv_cache shape"):
+        impl.forward(None, q, q, q, torch.zeros(2, 2, 16, 3, 8), meta, output=q.clone())
+    with pytest.raises(AttentionLayerError, match="sliding_window"):
+        BaseAttentionImpl(num_heads=2, head_size=8, scale=0.3, sliding_window=4).forward(
+            None, q, q, q, cache, meta, output=q.clone())
+    with pytest.raises(AttentionLayerError, match="needs a kv_cache"):
+        impl.forward(None, q, q, q, None, meta, output=q.clone())
+
+
+def test_cp_routing_needs_groups():
+    from cp_attention import CPAttentionImpl
+    with pytest.raises(ValueError, match="needs groups"):
+        CPAttentionImpl(num_heads=2, head_size=8, scale=0.3)
+    with pytest.raises(ValueError, match="single-device"):
+        MetadataBuilder(CPConfig(pcp_size=2))
