@@ -1,0 +1,82 @@
+"""Pure argument preparation for :mod:`cp_attention.ops.cuda` (flash-attn / fallback).
+
+flash-attn 2 conventions (``flash_attn/flash_attn_interface.py``, ``flash_attn_varlen_func``):
+``cu_seqlens_q/k`` int32 [B + 1] on the device, python-int ``max_seqlen_q/k``, ``causal`` is
+bottom-right aligned, ``window_size=(left, right)`` shows keys ``pos - left <= k <= pos +
+right`` (-1 = unbounded), and with ``return_attn_probs=True`` the varlen LSE is ``[H, total_q]``
+float32 (``+inf`` for rows that see no key, which callers turn into ``-inf``).
+"""
+from __future__ import annotations
+
+import torch
+
+from cp_attention.ops.npu_args import KernelCall, SPARSE_BAND, SPARSE_RIGHT_DOWN_CAUSAL
+
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def window_size(causal: bool, window: int | None) -> tuple[int, int]:
+    """flash-attn ``window_size`` for the interface's flags (window ``w`` -> ``(w - 1, 0)``)."""
+    if window is None:
+        return (-1, -1) if not causal else (-1, 0)
+    if not causal:
+        raise ValueError("a sliding window requires causal attention")
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    return window - 1, 0
+
+
+def int32_cu_seqlens(cu_seqlens: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """[B + 1] cumulative lengths as the int32 device tensor flash-attn wants."""
+    return cu_seqlens.to(device=device, dtype=torch.int32).contiguous()
+
+
+def max_seqlen(bounds: list[int]) -> int:
+    """Longest request of cumulative ``bounds`` ([B + 1] python ints); 0 if none."""
+    return max((b - a for a, b in zip(bounds, bounds[1:])), default=0)
+
+
+def lse_to_th(lse: torch.Tensor, num_tokens: int, num_heads: int) -> torch.Tensor:
+    """flash-attn varlen LSE [H, total_q] -> the interface's [T, H]."""
+    if tuple(lse.shape) != (num_heads, num_tokens):
+        raise ValueError(f"expected LSE [{num_heads}, {num_tokens}], got {tuple(lse.shape)}")
+    return lse.transpose(0, 1)
+
+
+def dense_visibility(nq: int, nk: int, causal: bool, window: int | None,
+                     device: torch.device | str = "cpu") -> torch.Tensor:
+    """[nq, nk] bool of visible keys under the interface's bottom-right mask rules."""
+    pos = (torch.arange(nq, device=device) + (nk - nq))[:, None]
+    keys = torch.arange(nk, device=device)[None, :]
+    vis = torch.ones(nq, nk, dtype=torch.bool, device=device)
+    if causal:
+        vis &= keys <= pos
+    if window is not None:
+        vis &= keys > pos - window
+    return vis
+
+
+def call_flags(call: KernelCall) -> tuple[bool, int | None]:
+    """A planned paged call's (causal, window) in interface terms."""
+    if call.sparse_mode == SPARSE_BAND:
+        return True, call.pre_tokens + 1
+    return call.sparse_mode == SPARSE_RIGHT_DOWN_CAUSAL, None
+
+
+def paged_gather(block_table: torch.Tensor, call: KernelCall,
+                 block_size: int) -> tuple[torch.Tensor, list[int]]:
+    """Flat cache slots of every virtual request's keys, and their cumulative bounds.
+
+    Returns (slots [sum kv_len] int64, cu_k [B + 1] python ints) so that
+    ``cache.view(-1, Hkv, D)[slots]`` is the packed K (or V) of the call.
+    """
+    pieces, bounds = [], [0]
+    offsets = torch.arange(block_size, device=block_table.device)
+    for req in call.requests:
+        n_blocks = -(-req.kv_len // block_size)
+        blocks = block_table[req.source, req.block_offset: req.block_offset + n_blocks].long()
+        pieces.append((blocks[:, None] * block_size + offsets).reshape(-1)[: req.kv_len])
+        bounds.append(bounds[-1] + req.kv_len)
+    slots = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long,
+                                                        device=block_table.device)
+    return slots, bounds

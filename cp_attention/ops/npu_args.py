@@ -1,0 +1,267 @@
+"""Pure argument preparation for the torch_npu kernels used by :mod:`cp_attention.ops.npu`.
+
+Nothing here imports torch_npu, so every convention is tested on CPU. Conventions follow the
+torch_npu docs (Ascend/op-plugin ``docs/zh/custom_APIs/torch_npu/torch_npu-npu_fused_infer_
+attention_score.md`` and ``torch_npu-npu_fusion_attention.md``) and vllm-ascend's
+``vllm_ascend/attention/attention_v1.py`` / ``context_parallel/attention_cp.py``:
+
+* ``input_layout="TND"``: ``actual_seq_lengths`` (queries) are *cumulative* end offsets, one
+  per request, as python ints; ``actual_seq_lengths_kv`` is cumulative for contiguous K/V and
+  *per request* (not cumulative) when ``block_table`` enables PageAttention;
+* ``sparse_mode`` 0: no mask; 3: right-down (bottom-right) causal; 4: band, where query ``i``
+  of a request sits at key position ``p = n_k - n_q + i`` and sees keys ``k`` with
+  ``p - pre_tokens <= k <= p + next_tokens``. Modes 2/3/4 take the compressed 2048 x 2048 mask
+  (``True``/1 = masked, upper triangle);
+* ``softmax_lse`` is ``[T, N, 1]`` float32 for TND.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+SPARSE_NONE = 0
+SPARSE_RIGHT_DOWN_CAUSAL = 3
+SPARSE_BAND = 4
+MAX_TOKENS = 2147483647  # the op's default pre_tokens / next_tokens ("unbounded")
+COMPRESSED_MASK_SIZE = 2048
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)  # FIA query/key/value dtypes (int8 aside)
+
+
+def cumulative_lengths(cu_seqlens: torch.Tensor) -> list[int]:
+    """[R + 1] cumulative offsets starting at 0 -> the TND list ``[e_0, ..., e_{R-1}]``."""
+    bounds = [int(x) for x in cu_seqlens.tolist()]
+    if not bounds or bounds[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {bounds[:1]}")
+    return bounds[1:]
+
+
+def cumulative_from_lengths(lengths: list[int]) -> list[int]:
+    """Per-request lengths -> cumulative end offsets (TND convention)."""
+    out, total = [], 0
+    for n in lengths:
+        total += int(n)
+        out.append(total)
+    return out
+
+
+def band_tokens(window: int) -> tuple[int, int]:
+    """(pre_tokens, next_tokens) for a causal sliding window of ``window`` keys.
+
+    The interface's window ``w`` shows keys ``pos - w < k <= pos``: ``w`` keys including the
+    query's own position, i.e. ``pre_tokens = w - 1`` under the band rule above. (vllm-ascend
+    passes ``pre_tokens=sliding_window``; the real-NPU contract run decides which is right.)
+    """
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    return window - 1, 0
+
+
+def sparse_args(causal: bool, window: int | None) -> tuple[int, int, int]:
+    """(sparse_mode, pre_tokens, next_tokens) for the interface's causal/window flags."""
+    if window is not None:
+        if not causal:
+            raise ValueError("a sliding window requires causal attention")
+        pre, nxt = band_tokens(window)
+        return SPARSE_BAND, pre, nxt
+    if causal:
+        return SPARSE_RIGHT_DOWN_CAUSAL, MAX_TOKENS, 0
+    return SPARSE_NONE, MAX_TOKENS, MAX_TOKENS
+
+
+def needs_compressed_mask(sparse_mode: int) -> bool:
+    return sparse_mode in (2, SPARSE_RIGHT_DOWN_CAUSAL, SPARSE_BAND)
+
+
+def compressed_causal_mask(device: torch.device | str = "cpu") -> torch.Tensor:
+    """The [2048, 2048] bool mask sparse modes 2/3/4 require: True (masked) above the diagonal."""
+    ones = torch.ones(COMPRESSED_MASK_SIZE, COMPRESSED_MASK_SIZE, dtype=torch.bool, device=device)
+    return torch.triu(ones, diagonal=1)
+
+
+def lse_to_th(lse: torch.Tensor, num_tokens: int, num_heads: int) -> torch.Tensor:
+    """The op's TND ``softmax_lse`` [T, N, 1] -> the interface's [T, H]."""
+    if tuple(lse.shape) != (num_tokens, num_heads, 1):
+        raise ValueError(f"expected softmax_lse of shape {(num_tokens, num_heads, 1)}, "
+                         f"got {tuple(lse.shape)}")
+    return lse.squeeze(-1)
+
+
+def visible_rows_dense(cu_q: list[int], cu_k: list[int], causal: bool,
+                       window: int | None) -> torch.Tensor:
+    """[Tq] bool: whether each packed query row sees at least one key (varlen semantics).
+
+    cu_q / cu_k: full [R + 1] cumulative bounds. Causal rows at position < 0 see nothing;
+    a window never empties a row that causal leaves non-empty.
+    """
+    rows = []
+    for r in range(len(cu_q) - 1):
+        nq, nk = cu_q[r + 1] - cu_q[r], cu_k[r + 1] - cu_k[r]
+        pos = torch.arange(nq) + (nk - nq)
+        if nk == 0:
+            rows.append(torch.zeros(nq, dtype=torch.bool))
+        elif causal:
+            rows.append(pos >= 0)
+        else:
+            rows.append(torch.ones(nq, dtype=torch.bool))
+    return torch.cat(rows) if rows else torch.zeros(0, dtype=torch.bool)
+
+
+@dataclass(frozen=True)
+class VirtualRequest:
+    """One request of a kernel call: query rows ``rows`` (packed indices, consecutive),
+    the cache request ``source`` (block-table row), its first visible block ``block_offset``
+    and the visible key count ``kv_len`` counted from that block's start."""
+
+    rows: tuple[int, ...]
+    source: int
+    block_offset: int
+    kv_len: int
+
+
+@dataclass
+class KernelCall:
+    """One fused-attention call: the same sparse_mode/pre/next tokens for all requests."""
+
+    sparse_mode: int
+    pre_tokens: int
+    next_tokens: int
+    requests: list[VirtualRequest] = field(default_factory=list)
+
+    def query_rows(self) -> list[int]:
+        return [i for req in self.requests for i in req.rows]
+
+    def actual_seq_lengths(self) -> list[int]:
+        """Cumulative query ends (TND)."""
+        return cumulative_from_lengths([len(req.rows) for req in self.requests])
+
+    def actual_seq_lengths_kv(self) -> list[int]:
+        """Per-request kv lengths (PageAttention convention)."""
+        return [req.kv_len for req in self.requests]
+
+
+def _causal_end(hi: list[int], seq_len: int) -> int | None:
+    """E such that hi[i] == clip(E - n + 1 + i, 0, seq_len) for every row, else None."""
+    n = len(hi)
+    end = hi[-1]
+    expect = [min(max(end - n + 1 + i, 0), seq_len) for i in range(n)]
+    return end if expect == hi else None
+
+
+def classify_ranges(lo: list[int], hi: list[int], seq_len: int) -> tuple[str, int, int] | None:
+    """Classify one request's clipped per-query ranges ``[lo[i], hi[i])`` over its cache.
+
+    Returns (kind, kv_end, window) with kind "full" (every row sees ``[0, kv_end)``), "causal"
+    (bottom-right causal over ``[0, kv_end)``) or "band" (causal with window ``window``), or
+    None when no single sparse mode expresses the ranges.
+    """
+    if not hi:
+        return None
+    end = _causal_end(hi, seq_len)
+    if all(x == 0 for x in lo):
+        if all(x == hi[0] for x in hi):
+            return "full", hi[0], 0
+        if end is not None:
+            return "causal", end, 0
+        return None
+    if end is None:
+        return None
+    window = hi[-1] - lo[-1]
+    if window < 1:
+        return None
+    if lo == [max(h - window, 0) for h in hi] and all(
+            end - len(hi) + 1 + i >= 0 for i in range(len(hi))):
+        return "band", end, window
+    return None
+
+
+def plan_paged(cu_q: list[int], seq_lens: list[int], block_size: int,
+               kv_start: list[int] | None, kv_end: list[int] | None
+               ) -> tuple[list[KernelCall], torch.Tensor]:
+    """Split a paged-attention request set into fused-attention calls.
+
+    cu_q: [R + 1] cumulative query bounds; seq_lens: [R]; kv_start / kv_end: [Tq] or None.
+    Requests whose ranges one sparse mode expresses stay whole; the others are cut into
+    one-row requests (any ``[lo, hi)`` is a band of width ``hi - lo`` for a single row; when
+    ``lo`` falls on a block boundary it is a plain prefix of a shifted block table).
+    Returns the calls (grouped by sparse arguments) and a [Tq] bool of rows that see keys.
+    """
+    total = cu_q[-1]
+    visible = torch.zeros(total, dtype=torch.bool)
+    groups: dict[tuple[int, int, int], KernelCall] = {}
+
+    def add(kind: str, window: int, req: VirtualRequest) -> None:
+        if kind == "band":
+            mode, (pre, nxt) = SPARSE_BAND, band_tokens(window)
+        elif kind == "causal":
+            mode, pre, nxt = SPARSE_RIGHT_DOWN_CAUSAL, MAX_TOKENS, 0
+        else:
+            mode, pre, nxt = SPARSE_NONE, MAX_TOKENS, MAX_TOKENS
+        key = (mode, pre, nxt)
+        groups.setdefault(key, KernelCall(mode, pre, nxt)).requests.append(req)
+
+    for r, seq_len in enumerate(seq_lens):
+        qs, qe = cu_q[r], cu_q[r + 1]
+        if qe == qs or seq_len == 0:
+            continue
+        lo = [0] * (qe - qs) if kv_start is None else [min(max(x, 0), seq_len)
+                                                        for x in kv_start[qs:qe]]
+        hi = [seq_len] * (qe - qs) if kv_end is None else [min(max(x, 0), seq_len)
+                                                           for x in kv_end[qs:qe]]
+        rows = tuple(range(qs, qe))
+        for i, (a, b) in enumerate(zip(lo, hi)):
+            visible[qs + i] = b > a
+        kind = classify_ranges(lo, hi, seq_len)
+        if kind is not None and kind[1] > 0:
+            name, end, window = kind
+            if name == "band" and window >= end:
+                name = "causal"
+            add(name, window, VirtualRequest(rows, r, 0, end))
+            continue
+        if kind is not None:  # every row empty
+            continue
+        for i, (a, b) in enumerate(zip(lo, hi)):
+            if b <= a:
+                continue
+            shift = a // block_size
+            start = shift * block_size
+            row_req = VirtualRequest((qs + i,), r, shift, b - start)
+            if a == start:
+                add("full", 0, row_req)
+            else:
+                add("band", b - a, row_req)
+    return list(groups.values()), visible
+
+
+def gather_block_table(block_table: torch.Tensor, call: KernelCall) -> torch.Tensor:
+    """[len(call.requests), max_blocks] int32 block table of the call's virtual requests.
+
+    Rows of shifted requests start ``block_offset`` blocks later; the tail is padded with
+    block 0 (never read: kv_len bounds the visible blocks).
+    """
+    width = block_table.shape[1]
+    out = torch.zeros(len(call.requests), width, dtype=torch.int32, device=block_table.device)
+    for i, req in enumerate(call.requests):
+        row = block_table[req.source, req.block_offset:]
+        out[i, : row.shape[0]] = row.to(torch.int32)
+    return out
+
+
+def flat_cache(cache: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, block_size, Hkv, D] -> the op's BnBsH view [num_blocks, block_size, Hkv*D]."""
+    return cache.view(cache.shape[0], cache.shape[1], -1)
+
+
+def attention_update_inputs(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+                            lse_b: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Interface partials (out [T, H, D], lse [T, H]) -> npu_attention_update's lists
+    (lse: [T*H] float32 each; local_out: [T*H, D] each)."""
+    d = out_a.shape[-1]
+    lses = [x.contiguous().reshape(-1).to(torch.float32) for x in (lse_a, lse_b)]
+    outs = [x.contiguous().reshape(-1, d) for x in (out_a, out_b)]
+    return lses, outs
+
+
+def slot_mapping_arg(slot_mapping: torch.Tensor) -> torch.Tensor:
+    """``_npu_reshape_and_cache`` takes int32 ``slot_indices``; -1 means skip."""
+    return slot_mapping.to(torch.int32).contiguous()
