@@ -1,0 +1,265 @@
+"""KV ownership map (DESIGN section 2) and the DCP/PCP context metadata, against brute force.
+
+Pure index math: no processes. Every property is checked against an explicit per-token
+enumeration, so a wrong formula in ``metadata/kv_layout.py`` or ``metadata/builder.py`` fails.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cp_attention.config import CPConfig
+from cp_attention.metadata.builder import CPMetadataBuilder
+from cp_attention.metadata.common import StepSpec
+from cp_attention.metadata.kv_layout import (blocks_needed, kv_owner, local_count, local_kv_lens,
+                                             local_position, slot_mapping)
+from cp_attention.parallel import CPRanks
+
+SETTINGS = settings(derandomize=True, deadline=None, max_examples=150)
+WORLDS = st.integers(1, 8)
+INTERLEAVES = st.sampled_from([1, 2, 4, 16])
+
+
+# -- brute force ----------------------------------------------------------------------------
+def brute_owner(t: int, world: int, interleave: int) -> int:
+    """Walk the tokens in runs of ``interleave``, dealing the runs round-robin to the shards."""
+    return (t // interleave) % world
+
+
+def brute_local_lists(length: int, world: int, interleave: int) -> list[list[int]]:
+    """Global positions stored by each shard, in the order the shard stores them."""
+    owned: list[list[int]] = [[] for _ in range(world)]
+    for t in range(length):
+        owned[brute_owner(t, world, interleave)].append(t)
+    return owned
+
+
+def brute_count(lo: int, hi: int, shard: int, world: int, interleave: int) -> int:
+    return sum(1 for t in range(lo, hi) if brute_owner(t, world, interleave) == shard)
+
+
+# -- ownership and slots --------------------------------------------------------------------
+@SETTINGS
+@given(world=WORLDS, interleave=INTERLEAVES, length=st.integers(0, 600))
+def test_owner_and_local_position_match_enumeration(world, interleave, length):
+    positions = np.arange(length)
+    owners = kv_owner(positions, world, interleave)
+    local = local_position(positions, world, interleave)
+    for shard, tokens in enumerate(brute_local_lists(length, world, interleave)):
+        assert np.array_equal(np.nonzero(owners == shard)[0], tokens)
+        # A shard stores its tokens densely, in global order: local positions 0..n-1.
+        assert np.array_equal(local[tokens], np.arange(len(tokens)))
+
+
+@SETTINGS
+@given(world=WORLDS, interleave=INTERLEAVES,
+       lengths=st.lists(st.integers(0, 1000), min_size=1, max_size=6))
+def test_local_count_matches_brute_force(world, interleave, lengths):
+    expected = np.array([[len(ts) for ts in brute_local_lists(n, world, interleave)]
+                         for n in lengths])
+    assert np.array_equal(local_kv_lens(np.array(lengths), world, interleave), expected)
+    for shard in range(world):
+        assert np.array_equal(local_count(np.array(lengths), shard, world, interleave),
+                              expected[:, shard])
+    assert np.array_equal(expected.sum(axis=1), lengths)  # every token counted once
+
+
+@pytest.mark.parametrize("length, world, interleave, expected", [
+    (10, 4, 1, [3, 3, 2, 2]),
+    (10, 2, 4, [6, 4]),
+    (19, 4, 2, [6, 5, 4, 4]),  # the worked example of docs/dcp.md
+    (3, 8, 16, [3, 0, 0, 0, 0, 0, 0, 0]),  # shorter than one interleave run: one shard has all
+    (0, 4, 1, [0, 0, 0, 0]),
+])
+def test_local_kv_lens_examples(length, world, interleave, expected):
+    assert local_kv_lens(np.array([length]), world, interleave)[0].tolist() == expected
+
+
+@SETTINGS
+@given(world=WORLDS, interleave=INTERLEAVES, mult=st.sampled_from([1, 2, 8]),
+       lengths=st.lists(st.integers(0, 400), min_size=1, max_size=5), seed=st.integers(0, 2**16),
+       spare_cols=st.integers(0, 2))
+def test_every_token_stored_once_on_owner_in_own_blocks(world, interleave, mult, lengths, seed,
+                                                         spare_cols):
+    block_size = interleave * mult
+    lengths = np.array(lengths)
+    needed = blocks_needed(lengths, block_size, world)
+    assert np.array_equal(needed, [-(-n // (block_size * world)) for n in lengths])
+    cols = int(needed.max()) + spare_cols
+    rng = np.random.default_rng(seed)
+    perm = rng.permutation(int(needed.sum()) + 3)  # distinct blocks, shuffled
+    table = np.full((len(lengths), max(cols, 1)), -1, dtype=np.int64)
+    start = 0
+    for r, n in enumerate(needed):
+        table[r, :n] = perm[start:start + n]
+        start += n
+    req = np.repeat(np.arange(len(lengths)), lengths)
+    pos = np.concatenate([np.arange(n) for n in lengths]) if len(req) else np.zeros(0, np.int64)
+    # Padding rows (req -1) must never be stored.
+    req = np.concatenate([req, [-1, -1]])
+    pos = np.concatenate([pos, [0, 5]])
+    slots = np.stack([slot_mapping(req, pos, table, block_size, world, s, interleave)
+                      for s in range(world)])  # [world, T]
+    stored = slots >= 0
+    real = req >= 0
+    assert not stored[:, ~real].any()
+    assert np.array_equal(stored.sum(axis=0)[real], np.ones(real.sum()))  # exactly once
+    for t in np.nonzero(real)[0]:
+        r, p = req[t], pos[t]
+        shard = brute_owner(p, world, interleave)
+        assert stored[shard, t]
+        local = brute_local_lists(p + 1, world, interleave)[shard].index(p)
+        block, offset = divmod(int(slots[shard, t]), block_size)
+        assert block == table[r, local // block_size]  # one of the request's own blocks
+        assert offset == local % block_size
+        assert block in table[r, :needed[r]]
+    for shard in range(world):  # distinct slots on every shard
+        mine = slots[shard][stored[shard]]
+        assert len(np.unique(mine)) == len(mine)
+
+
+# -- builder: per-rank context lengths, masks and visible ranges ----------------------------
+CONFIGS = [
+    # (pcp, tp, dcp, kv_shard)
+    (1, 2, 2, "cp"), (1, 4, 2, "cp"), (1, 4, 4, "cp"), (1, 8, 8, "cp"),
+    (2, 2, 2, "cp"), (2, 4, 2, "cp"), (2, 2, 2, "dcp"), (2, 1, 1, "cp"), (4, 2, 2, "cp"),
+]
+
+
+def _step(computed: list[int], scheduled: list[int], cfg: CPConfig) -> StepSpec:
+    seq = np.array(computed) + np.array(scheduled)
+    need = blocks_needed(seq, cfg.block_size, cfg.kv_world)
+    cols = max(int(need.max()), 1)
+    table = torch.arange(len(computed) * cols, dtype=torch.int32).view(len(computed), cols)
+    return StepSpec(tuple(computed), tuple(scheduled), table)
+
+
+def _shard(cfg: CPConfig, pcp_rank: int, dcp_rank: int) -> int:
+    return pcp_rank * cfg.dcp_size + dcp_rank if cfg.kv_shard == "cp" else dcp_rank
+
+
+def _all_ranks(cfg: CPConfig):
+    for rank in range(cfg.world_size):
+        yield CPRanks.of(cfg, rank)
+
+
+def _context_rows(meta, cfg: CPConfig, computed, scheduled):
+    """(request, global position, real) of each context row, rebuilt from the step alone."""
+    order = np.concatenate([meta.decode_reqs, meta.prefill_reqs])
+    reqs, positions, real = [], [], []
+    if meta.ctx_over_pcp:  # decode rows, then every prefill's padded tokens in order
+        for r in order:
+            n = scheduled[r]
+            rows = n if r in meta.decode_reqs else -(-n // (2 * cfg.pcp_size)) * 2 * cfg.pcp_size
+            for j in range(rows):
+                reqs.append(r)
+                positions.append(computed[r] + j)
+                real.append(j < n)
+        return np.array(reqs), np.array(positions), np.array(real)
+    rows = meta.num_actual_tokens
+    idx = meta.local_token_idx[:rows].numpy()
+    cu = np.concatenate([[0], np.cumsum(scheduled)])
+    real = idx >= 0
+    reqs = np.searchsorted(cu, np.where(real, idx, 0), side="right") - 1
+    return reqs, meta.positions[:rows].numpy(), real
+
+
+step_strategy = st.lists(st.tuples(st.integers(0, 120), st.integers(1, 40)), min_size=1,
+                         max_size=6)
+
+
+@settings(derandomize=True, deadline=None, max_examples=60)
+@given(config=st.sampled_from(CONFIGS), interleave=st.sampled_from([1, 2, 16]),
+       reqs=step_strategy, threshold=st.sampled_from([1, 4]))
+def test_builder_local_context_lengths_match_brute_force(config, interleave, reqs, threshold):
+    pcp, tp, dcp, kv_shard = config
+    cfg = CPConfig(pcp_size=pcp, tp_size=tp, dcp_size=dcp, block_size=16,
+                   cp_kv_interleave_size=interleave, kv_shard=kv_shard,
+                   decode_threshold=threshold)
+    computed = [c for c, _ in reqs]
+    scheduled = [n for _, n in reqs]
+    step = _step(computed, scheduled, cfg)
+    for ranks in _all_ranks(cfg):
+        meta = CPMetadataBuilder(cfg, ranks).build(step)
+        expected = np.array([[[brute_count(0, c, _shard(cfg, p, d), cfg.kv_world, interleave)
+                               for d in range(dcp)] for p in range(pcp)] for c in computed])
+        assert np.array_equal(meta.num_computed_tokens_of_pcp_dcp, expected)
+        mine = _shard(cfg, ranks.pcp_rank, ranks.dcp_rank)
+        order = np.concatenate([meta.decode_reqs, meta.prefill_reqs])  # context order
+        local = np.array([brute_count(0, computed[r], mine, cfg.kv_world, interleave)
+                          for r in order])
+        assert meta.ctx_seq_lens.tolist() == local.tolist()
+        assert meta.batch_seq_mask.tolist() == (local == 0).tolist()
+        assert meta.ctx_kv_start is None and meta.ctx_kv_end is None  # no window: whole shard
+
+
+def _check_visible_ranges(cfg: CPConfig, computed, scheduled, window: int) -> list[tuple]:
+    """Assert every context row's local range; return (shard, position, lo, hi) per real row."""
+    step = _step(computed, scheduled, cfg)
+    seen = []
+    for ranks in _all_ranks(cfg):
+        meta = CPMetadataBuilder(cfg, ranks, sliding_window=window).build(step)
+        shard = _shard(cfg, ranks.pcp_rank, ranks.dcp_rank)
+        reqs, positions, real = _context_rows(meta, cfg, computed, scheduled)
+        start, end = meta.ctx_kv_start.numpy(), meta.ctx_kv_end.numpy()
+        assert len(start) == len(end) == len(reqs) == int(meta.ctx_cu_seqlens[-1])
+        for row in range(len(reqs)):
+            if not real[row]:
+                assert start[row] == end[row] == 0  # pad rows see nothing
+                continue
+            context, p = computed[reqs[row]], positions[row]
+            g_lo, g_hi = max(0, p - window + 1), min(p + 1, context)
+            owned = [t for t in range(g_lo, g_hi)
+                     if brute_owner(t, cfg.kv_world, cfg.cp_kv_interleave_size) == shard]
+            # The shard's local slots [start, end) hold exactly the visible owned tokens.
+            stored = brute_local_lists(context, cfg.kv_world, cfg.cp_kv_interleave_size)[shard]
+            assert stored[start[row]:end[row]] == owned, (shard, p, start[row], end[row])
+            assert 0 <= start[row] <= end[row] <= meta.ctx_seq_lens[
+                list(np.concatenate([meta.decode_reqs, meta.prefill_reqs])).index(reqs[row])]
+            seen.append((shard, int(p), int(start[row]), int(end[row])))
+    return seen
+
+
+@settings(derandomize=True, deadline=None, max_examples=60)
+@given(config=st.sampled_from(CONFIGS), interleave=st.sampled_from([1, 2, 16]),
+       reqs=step_strategy, threshold=st.sampled_from([1, 4]), window=st.integers(1, 64))
+def test_sliding_window_local_range_matches_brute_force(config, interleave, reqs, threshold,
+                                                        window):
+    pcp, tp, dcp, kv_shard = config
+    cfg = CPConfig(pcp_size=pcp, tp_size=tp, dcp_size=dcp, block_size=16,
+                   cp_kv_interleave_size=interleave, kv_shard=kv_shard,
+                   decode_threshold=threshold)
+    _check_visible_ranges(cfg, [c for c, _ in reqs], [n for _, n in reqs], window)
+
+
+def test_speculative_queries_with_empty_local_range():
+    """k=3 speculative decode, 8 shards, interleave 16, window 3: most shards see nothing."""
+    cfg = CPConfig(pcp_size=1, tp_size=8, dcp_size=8, block_size=16, cp_kv_interleave_size=16,
+                   decode_threshold=4)
+    computed, scheduled = [20, 40], [4, 4]
+    seen = _check_visible_ranges(cfg, computed, scheduled, window=3)
+    by = {(s, p): (lo, hi) for s, p, lo, hi in seen}
+    # Request 0 (context 20): queries at 20..23 see global [18, 20), [19, 20), [], []
+    # -> all on shard 1 (tokens 16..31), local positions 2..3.
+    assert by[(1, 20)] == (2, 4) and by[(1, 21)] == (3, 4)
+    assert by[(1, 22)][0] == by[(1, 22)][1] and by[(1, 23)][0] == by[(1, 23)][1]
+    for shard in (0, *range(2, 8)):
+        for p in range(20, 24):
+            lo, hi = by[(shard, p)]
+            assert lo == hi  # empty local visible range
+    # Request 1 (context 40): window [38, 40) lives on shard 2 (tokens 32..47).
+    assert by[(2, 40)] == (6, 8)
+
+
+def test_per_query_local_length_is_not_local_of_context_minus_k():
+    """Why the visible length is computed per query: local(G - k) != local(G) - k."""
+    world, interleave, context = 2, 4, 10  # shard 0 holds 0-3, 8-9; shard 1 holds 4-7
+    for k in range(4):
+        visible = context - k  # a query seeing the first G - k cached tokens
+        per_query = local_count(np.array([visible]), 0, world, interleave)[0]
+        assert per_query == brute_count(0, visible, 0, world, interleave)
+    naive = local_count(np.array([context]), 0, world, interleave)[0] - 3
+    assert naive == 3 and local_count(np.array([context - 3]), 0, world, interleave)[0] == 4
