@@ -140,3 +140,16 @@ def test_sliding_window_without_causal_is_rejected():
     with pytest.raises(ValueError, match="sliding window requires causal"):
         OPS.varlen_attention(q, q, q, torch.tensor([0, 3]), torch.tensor([0, 3]), scale=1.0,
                              causal=False, window=2)
+
+
+def test_reshape_and_cache_into_strided_view_and_range_check():
+    # vLLM's CPU layout [blocks, heads, block_size, 2 * D] viewed as [blocks, block_size, heads, D]
+    packed = torch.zeros(3, 2, 4, 16)
+    key_view = packed[..., :8].permute(0, 2, 1, 3)
+    value_view = packed[..., 8:].permute(0, 2, 1, 3)
+    key, value = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    OPS.reshape_and_cache(key, value, key_view, value_view, torch.tensor([5, -1, 11]))
+    assert torch.equal(packed[1, :, 1, :8], key[0]) and torch.equal(packed[2, :, 3, 8:], value[2])
+    assert packed.abs().sum() == key[[0, 2]].abs().sum() + value[[0, 2]].abs().sum()
+    with pytest.raises(IndexError, match="outside the cache"):
+        OPS.reshape_and_cache(key, value, key_view, value_view, torch.tensor([12, -1, 0]))

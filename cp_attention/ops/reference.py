@@ -149,11 +149,16 @@ class ReferenceOps:
         return out, lse
 
     def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping):
+        """Works on strided views too (e.g. a cache laid out as [blocks, heads, slots, D])."""
         stored = slot_mapping >= 0
         slots = slot_mapping[stored].long()
-        key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slots, key[stored].to(key_cache.dtype))
-        value_cache.view(-1, *value_cache.shape[2:]).index_copy_(
-            0, slots, value[stored].to(value_cache.dtype))
+        block_size = key_cache.shape[1]
+        if slots.numel() and int(slots.max()) >= key_cache.shape[0] * block_size:
+            raise IndexError(f"slot {int(slots.max())} is outside the cache of "
+                             f"{key_cache.shape[0]} blocks x {block_size} slots")
+        blocks, offsets = slots // block_size, slots % block_size
+        key_cache[blocks, offsets] = key[stored].to(key_cache.dtype)
+        value_cache[blocks, offsets] = value[stored].to(value_cache.dtype)
 
     def merge_attn_states(self, out_a, lse_a, out_b, lse_b):
         return merge_attn_states(out_a, lse_a, out_b, lse_b)
