@@ -107,8 +107,8 @@ class MetadataBuilder:
         computed = np.asarray(step.num_computed_tokens, dtype=np.int64)
         scheduled = np.asarray(step.num_scheduled_tokens, dtype=np.int64)
         cu_new = step.cu_new_tokens
-        block_table = step.block_table.cpu().numpy().astype(np.int64)
-        self._check_block_table(step, block_table)
+        block_table = step.block_table.cpu().numpy()
+        self._check_block_table(computed + scheduled, block_table)
 
         is_decode = decode_mask(step, cfg.decode_threshold)
         decodes, prefills = np.nonzero(is_decode)[0], np.nonzero(~is_decode)[0]
@@ -161,6 +161,7 @@ class MetadataBuilder:
 
         # Context: queries in request order (decodes, then prefills).
         order = np.concatenate([decodes, prefills])
+        in_batch_order = bool((order == np.arange(len(order))).all())
         ctx_over_pcp = split is not None and cfg.kv_shard == "cp"
         rows_per_req = np.concatenate([dec_lens, step_rows_per_req if ctx_over_pcp
                                        else prefill_rows_per_req])
@@ -205,7 +206,8 @@ class MetadataBuilder:
             has_context=bool((computed > 0).any()),
             ctx_over_pcp=ctx_over_pcp,
             ctx_cu_seqlens=_t(cumsum0(rows_per_req)),
-            ctx_block_table=_t(block_table[order]),
+            ctx_block_table=(step.block_table.cpu() if in_batch_order
+                             else _t(block_table[order], step.block_table.dtype)),
             ctx_seq_lens=_t(ctx_lens),
             ctx_kv_start=kv_start,
             ctx_kv_end=kv_end,
@@ -214,24 +216,26 @@ class MetadataBuilder:
             sliding_window=self.sliding_window,
         )
 
-    def _check_block_table(self, step: StepSpec, block_table: np.ndarray) -> None:
+    def _check_block_table(self, seq_lens: np.ndarray, block_table: np.ndarray) -> None:
+        """Every request has enough blocks, and the blocks it uses are valid ids."""
         cfg = self.config
-        needed = blocks_needed(step.seq_lens, cfg.block_size, cfg.kv_world)
+        needed = blocks_needed(seq_lens, cfg.block_size, cfg.kv_world)
         have = block_table.shape[1]
         short = np.nonzero(needed > have)[0]
         if len(short):
             r = int(short[0])
             raise ValueError(f"block_table has {have} blocks per request but request {r} needs "
-                             f"{int(needed[r])} for {int(step.seq_lens[r])} tokens "
+                             f"{int(needed[r])} for {int(seq_lens[r])} tokens "
                              f"(block_size {cfg.block_size} x {cfg.kv_world} KV shards)")
-        if (block_table < 0).any() and (needed > 0).any():
-            used = np.arange(have)[None, :] < needed[:, None]
-            if (block_table[used] < 0).any():
-                raise ValueError("block_table has a negative block id inside a request's blocks")
-        if self.num_blocks is not None:
-            used = np.arange(have)[None, :] < needed[:, None]
-            if (block_table[used] >= self.num_blocks).any():
-                raise ValueError(f"block_table names a block >= num_blocks ({self.num_blocks})")
+        low, high = (int(block_table.min()), int(block_table.max())) if block_table.size else (0, 0)
+        if low >= 0 and (self.num_blocks is None or high < self.num_blocks):
+            return  # the common case, checked without building the mask below
+        used = block_table[np.arange(have)[None, :] < needed[:, None]]
+        if (used < 0).any():
+            raise ValueError("block_table has a negative block id inside a request's blocks")
+        if self.num_blocks is not None and (used >= self.num_blocks).any():
+            raise ValueError(f"block_table names block {int(used.max())} but the cache has "
+                             f"num_blocks={self.num_blocks}")
 
 
 class CPMetadataBuilder(MetadataBuilder):

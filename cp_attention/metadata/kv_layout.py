@@ -55,5 +55,5 @@ def slot_mapping(req_idx: np.ndarray, positions: np.ndarray, block_table: np.nda
     slots = np.full(len(positions), -1, dtype=np.int64)
     if owned.any():
         rows, loc = req_idx[owned], local[owned]
-        slots[owned] = block_table[rows, loc // block_size] * block_size + loc % block_size
+        slots[owned] = block_table[rows, loc // block_size].astype(np.int64) * block_size + loc % block_size
     return slots
