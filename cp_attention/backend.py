@@ -7,6 +7,7 @@ from cp_attention.config import CPConfig
 from cp_attention.impl.base import BaseAttentionImpl
 from cp_attention.impl.cp import CPAttentionImpl
 from cp_attention.metadata.builder import AttentionMetadata, CPMetadataBuilder, MetadataBuilder
+from cp_attention.ops.checks import validate_kv_cache_shape_args
 
 SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
 
@@ -42,10 +43,7 @@ class CPAttentionBackend:
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
                            head_size: int) -> tuple[int, int, int, int, int]:
         """(2, num_blocks, block_size, num_kv_heads, head_size): keys then values."""
-        for name, value in (("num_blocks", num_blocks), ("block_size", block_size),
-                            ("num_kv_heads", num_kv_heads), ("head_size", head_size)):
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+        validate_kv_cache_shape_args(num_blocks, block_size, num_kv_heads, head_size)
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
     @staticmethod

@@ -65,7 +65,12 @@ class CPConfig:
         return pcp_rank * self.dcp_size + dcp_rank if self.kv_shard == "cp" else dcp_rank
 
     def validate_heads(self, num_heads: int, num_kv_heads: int) -> None:
-        """Check a model's head counts against tp/dcp (vLLM's GQA rules for DCP)."""
+        """Check a model's head counts against tp/dcp (vLLM's GQA rules for DCP).
+
+        vLLM's third rule, ``(num_heads / num_kv_heads) % dcp_size == 0``, follows from the
+        ones checked here (num_heads % tp_size == 0 and tp_size // num_kv_heads a multiple of
+        dcp_size), so it needs no check of its own.
+        """
         if num_heads < 1 or num_kv_heads < 1:
             raise ValueError(f"num_heads ({num_heads}) and num_kv_heads ({num_kv_heads}) must be >= 1")
         if num_heads % num_kv_heads:
@@ -86,9 +91,6 @@ class CPConfig:
                     f"dcp_size ({self.dcp_size}) needs each KV head replicated on a multiple of "
                     f"dcp_size TP ranks: tp_size // num_kv_heads = {self.tp_size} // {num_kv_heads}"
                     f" = {replicas} must be >= dcp_size and divisible by it")
-            if (num_heads // num_kv_heads) % self.dcp_size:
-                raise ValueError(f"(num_heads / num_kv_heads) = {num_heads // num_kv_heads} must be "
-                                 f"divisible by dcp_size ({self.dcp_size})")
 
 
 def heads_of_rank(num_heads: int, num_kv_heads: int, tp_size: int, tp_rank: int

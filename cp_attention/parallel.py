@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,8 @@ class CPRanks:
 
     @classmethod
     def of(cls, config: CPConfig, rank: int) -> "CPRanks":
+        if not isinstance(rank, int) or isinstance(rank, bool):
+            raise ValueError(f"rank must be an integer, got {rank!r}")
         if not 0 <= rank < config.world_size:
             raise ValueError(f"rank ({rank}) must be in [0, world_size={config.world_size})")
         pcp_rank, tp_rank = divmod(rank, config.tp_size)
@@ -79,11 +82,10 @@ class CPGroups:
         Must be called by every rank of the world in the same order.
         """
         device = torch.device(device) if device is not None else detect_device()
+        # new_group() does not inherit the default group's timeout (gloo's default is 30 min),
+        # so the same timeout is passed to every group: a dead peer fails the step, not hangs it.
+        kwargs = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
         if not dist.is_initialized():
-            kwargs = {}
-            if timeout_s is not None:
-                import datetime
-                kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
             dist.init_process_group(backend_for_device(device), **kwargs)
         world, rank = dist.get_world_size(), dist.get_rank()
         if world != config.world_size:
@@ -94,7 +96,7 @@ class CPGroups:
 
         def make(name: str, members_list: list[list[int]]) -> None:
             for members in members_list:  # every rank creates every group, in the same order
-                group = dist.new_group(members) if len(members) > 1 else None
+                group = dist.new_group(members, **kwargs) if len(members) > 1 else None
                 if rank in members:
                     groups[name] = group
 

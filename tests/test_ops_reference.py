@@ -151,5 +151,5 @@ def test_reshape_and_cache_into_strided_view_and_range_check():
     OPS.reshape_and_cache(key, value, key_view, value_view, torch.tensor([5, -1, 11]))
     assert torch.equal(packed[1, :, 1, :8], key[0]) and torch.equal(packed[2, :, 3, 8:], value[2])
     assert packed.abs().sum() == key[[0, 2]].abs().sum() + value[[0, 2]].abs().sum()
-    with pytest.raises(IndexError, match="outside the cache"):
+    with pytest.raises(ValueError, match=r"slot 12 outside \[-1, 12\)"):
         OPS.reshape_and_cache(key, value, key_view, value_view, torch.tensor([12, -1, 0]))

@@ -68,7 +68,6 @@ class BaseAttentionImpl:
             raise AttentionLayerError(f"metadata was built for sliding_window="
                                       f"{meta.sliding_window} but this layer uses "
                                       f"{self.sliding_window}")
-        rows = meta.num_input_tokens
         for name, tensor, heads in (("query", query, self.num_heads), ("key", key, self.num_kv_heads),
                                     ("value", value, self.num_kv_heads),
                                     ("output", output, self.num_heads)):
@@ -80,7 +79,6 @@ class BaseAttentionImpl:
                                           f"{heads} heads x {self.head_size}")
             if tensor.device != query.device:
                 raise AttentionLayerError(f"{name} is on {tensor.device}, query on {query.device}")
-        del rows
         if not query.dtype.is_floating_point or key.dtype != query.dtype or value.dtype != query.dtype:
             raise AttentionLayerError(f"query/key/value dtypes must match floating dtypes, got "
                                       f"{query.dtype}/{key.dtype}/{value.dtype}")
@@ -98,6 +96,8 @@ class BaseAttentionImpl:
             if kv_cache.dtype != key.dtype or kv_cache.device != key.device:
                 raise AttentionLayerError(f"kv_cache is {kv_cache.dtype} on {kv_cache.device}, "
                                           f"key is {key.dtype} on {key.device}")
+        from cp_attention.validation import validate_forward_inputs  # imports this module
+        validate_forward_inputs(self, query, key, value, kv_cache, meta, output)
 
     # -- hooks (identity on one device) ------------------------------------------------
     def _step_kv(self, key: torch.Tensor, value: torch.Tensor, meta: AttentionMetadata

@@ -72,9 +72,17 @@ class MetadataBuilder:
     """Builds :class:`AttentionMetadata` for one rank of a single-device deployment."""
 
     def __init__(self, config: CPConfig | None = None, ranks: CPRanks | None = None,
-                 sliding_window: int | None = None, num_blocks: int | None = None) -> None:
+                 sliding_window: int | None = None, num_blocks: int | None = None,
+                 debug: bool = False) -> None:
+        """debug: also run the O(R x max_blocks) step checks of
+        :func:`cp_attention.validation.validate_step` (duplicate blocks, blocks written by two
+        requests) on every build."""
+        from cp_attention.validation import validate_ranks
+
         self.config = config or CPConfig()
         self.ranks = ranks or CPRanks()
+        self.debug = debug
+        validate_ranks(self.config, self.ranks)
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
         self.sliding_window = sliding_window
@@ -109,6 +117,9 @@ class MetadataBuilder:
         cu_new = step.cu_new_tokens
         block_table = step.block_table.cpu().numpy()
         self._check_block_table(computed + scheduled, block_table)
+        if self.debug:
+            from cp_attention.validation import validate_step
+            validate_step(step, cfg, self.num_blocks)
 
         is_decode = decode_mask(step, cfg.decode_threshold)
         decodes, prefills = np.nonzero(is_decode)[0], np.nonzero(~is_decode)[0]

@@ -8,6 +8,16 @@ import numpy as np
 import torch
 
 
+def _as_ints(name: str, values) -> tuple[int, ...]:
+    """Values as ints; a non-integral value (1.5, True) is an error, not truncated."""
+    out = []
+    for i, value in enumerate(values):
+        if isinstance(value, (bool, np.bool_)) or int(value) != value:
+            raise ValueError(f"{name}[{i}] = {value!r} is not an integer")
+        out.append(int(value))
+    return tuple(out)
+
+
 class AttentionState(enum.Enum):
     """What kind of batch a step is (as the seed's ``AscendAttentionState``)."""
 
@@ -34,8 +44,8 @@ class StepSpec:
     block_table: torch.Tensor
 
     def __post_init__(self) -> None:
-        computed = tuple(int(x) for x in self.num_computed_tokens)
-        scheduled = tuple(int(x) for x in self.num_scheduled_tokens)
+        computed = _as_ints("num_computed_tokens", self.num_computed_tokens)
+        scheduled = _as_ints("num_scheduled_tokens", self.num_scheduled_tokens)
         object.__setattr__(self, "num_computed_tokens", computed)
         object.__setattr__(self, "num_scheduled_tokens", scheduled)
         if len(computed) != len(scheduled):

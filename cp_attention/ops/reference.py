@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from cp_attention.ops.checks import (validate_paged_inputs, validate_slot_mapping,
+                                     validate_varlen_inputs)
 from cp_attention.ops.merge import merge_attn_states
 
 _QUERY_BLOCK = 512  # query rows per masked block
@@ -113,6 +115,7 @@ class ReferenceOps:
 
     def varlen_attention(self, q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal,
                          window=None):
+        validate_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, window)
         acc = _accumulation_dtype(q.dtype)
         out, lse = _empty_result(q, acc)
         bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
@@ -125,6 +128,7 @@ class ReferenceOps:
 
     def paged_attention(self, q, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens,
                         *, scale, kv_start=None, kv_end=None):
+        validate_paged_inputs(q, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens)
         acc = _accumulation_dtype(q.dtype)
         out, lse = _empty_result(q, acc)
         block_size = key_cache.shape[1]
@@ -150,12 +154,10 @@ class ReferenceOps:
 
     def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping):
         """Works on strided views too (e.g. a cache laid out as [blocks, heads, slots, D])."""
+        block_size = key_cache.shape[1]
+        validate_slot_mapping(slot_mapping, key_cache.shape[0] * block_size, key.shape[0])
         stored = slot_mapping >= 0
         slots = slot_mapping[stored].long()
-        block_size = key_cache.shape[1]
-        if slots.numel() and int(slots.max()) >= key_cache.shape[0] * block_size:
-            raise IndexError(f"slot {int(slots.max())} is outside the cache of "
-                             f"{key_cache.shape[0]} blocks x {block_size} slots")
         blocks, offsets = slots // block_size, slots % block_size
         key_cache[blocks, offsets] = key[stored].to(key_cache.dtype)
         value_cache[blocks, offsets] = value[stored].to(value_cache.dtype)

@@ -36,7 +36,7 @@ def _worker(rank: int, world: int, port: int, inbox, outbox, collective_timeout_
 
     def get_groups(config):
         if config not in groups_cache:
-            groups_cache[config] = CPGroups.create(config, "cpu")
+            groups_cache[config] = CPGroups.create(config, "cpu", timeout_s=collective_timeout_s)
         return groups_cache[config]
 
     while True:

@@ -1,0 +1,339 @@
+"""Input checks the hot path does not make, as plain functions (call them at the entry points).
+
+Every check raises a typed error that names the field and the offending value:
+  * :class:`StepError` (``ValueError``): a step / block table that would write outside the
+    request's blocks or into another request's blocks (cache corruption), or ranks that are
+    inconsistent with the config;
+  * :class:`AttentionLayerError` (``ValueError``): a forward call whose tensors do not match
+    the metadata, the layer or each other;
+  * :class:`OpsInputError` (``ValueError``): bad arguments to the attention primitives.
+
+``validate_rank_plans`` checks the per-rank metadata of one step against the DESIGN invariants
+(ownership, restore permutations, lengths, index ranges); the planner fuzzers use it.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from cp_attention.config import CPConfig
+from cp_attention.impl.base import AttentionLayerError
+from cp_attention.metadata.builder import AttentionMetadata
+from cp_attention.metadata.common import StepSpec, decode_mask
+from cp_attention.metadata.kv_layout import blocks_needed, kv_owner, local_count, local_position
+from cp_attention.ops.checks import (OpsInputError, validate_cu_seqlens, validate_kv_cache_shape_args,
+                                     validate_merge_inputs, validate_paged_inputs,
+                                     validate_slot_mapping, validate_varlen_inputs)
+from cp_attention.parallel import CPRanks
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+__all__ = ["AttentionLayerError", "OpsInputError", "StepError", "validate_cu_seqlens",
+           "validate_forward_inputs", "validate_kv_cache_shape_args", "validate_merge_inputs",
+           "validate_paged_inputs", "validate_rank", "validate_ranks", "validate_rank_plans",
+           "validate_slot_mapping", "validate_step", "validate_varlen_inputs"]
+
+
+class StepError(ValueError):
+    """A step, block table or rank coordinate that cannot be served safely."""
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+# -- ranks ------------------------------------------------------------------------------------
+def validate_rank(config: CPConfig, rank) -> None:
+    """``rank`` is an integer in [0, world_size) (``CPRanks.of`` accepts 1.5 silently)."""
+    if not _is_int(rank):
+        raise StepError(f"rank must be an integer, got {rank!r} ({type(rank).__name__})")
+    if not 0 <= rank < config.world_size:
+        raise StepError(f"rank ({rank}) must be in [0, world_size={config.world_size})")
+
+
+def validate_ranks(config: CPConfig, ranks: CPRanks) -> None:
+    """Coordinates consistent with the config (dcp_rank == tp_rank % dcp_size, all in range)."""
+    for name, value, size in (("pcp_rank", ranks.pcp_rank, config.pcp_size),
+                              ("tp_rank", ranks.tp_rank, config.tp_size),
+                              ("dcp_rank", ranks.dcp_rank, config.dcp_size)):
+        if not _is_int(value) or not 0 <= value < size:
+            raise StepError(f"{name} ({value!r}) must be an integer in [0, {size})")
+    if ranks.dcp_rank != ranks.tp_rank % config.dcp_size:
+        raise StepError(f"dcp_rank ({ranks.dcp_rank}) must equal tp_rank % dcp_size = "
+                        f"{ranks.tp_rank} % {config.dcp_size} = {ranks.tp_rank % config.dcp_size}")
+
+
+# -- steps ------------------------------------------------------------------------------------
+def validate_step(step: StepSpec, config: CPConfig, num_blocks: int | None = None) -> None:
+    """Checks of a step before it is planned (same on every rank). Costs O(R x max_blocks).
+
+    Beyond ``StepSpec`` and ``MetadataBuilder._check_block_table``: block ids are in
+    ``[0, num_blocks)``, no request lists one block twice, and no block written this step is
+    used by another request of the step (two writers of one slot corrupt the cache; blocks
+    only read, e.g. shared prefix blocks, may be shared).
+    """
+    table = step.block_table.detach().cpu().numpy().astype(np.int64)
+    seq_lens = step.seq_lens
+    needed = blocks_needed(seq_lens, config.block_size, config.kv_world)
+    have = table.shape[1]
+    virtual = config.block_size * config.kv_world
+    for r in range(step.num_reqs):
+        if needed[r] > have:
+            raise StepError(f"block_table[{r}] has {have} blocks but request {r} needs "
+                            f"{int(needed[r])} for {int(seq_lens[r])} tokens ({virtual} per block)")
+    if num_blocks is not None and (not _is_int(num_blocks) or num_blocks < 1):
+        raise StepError(f"num_blocks must be an integer >= 1, got {num_blocks!r}")
+    written: dict[int, int] = {}  # block -> request writing it this step
+    for r in range(step.num_reqs):
+        used = table[r, :needed[r]]
+        for j, block in enumerate(used.tolist()):
+            if block < 0:
+                raise StepError(f"block_table[{r}, {j}] = {block} is a negative block id")
+            if num_blocks is not None and block >= num_blocks:
+                raise StepError(f"block_table[{r}, {j}] = {block} is outside [0, "
+                                f"num_blocks={num_blocks})")
+        values, counts = np.unique(used, return_counts=True)
+        if (counts > 1).any():
+            raise StepError(f"block_table[{r}] lists block {int(values[counts > 1][0])} twice: "
+                            "two positions of one request would share cache slots")
+        for block in used[step.num_computed_tokens[r] // virtual:].tolist():
+            written.setdefault(block, r)
+    for r2 in range(step.num_reqs):
+        for block in table[r2, :needed[r2]].tolist():
+            r = written.get(block, r2)
+            if r != r2:
+                raise StepError(f"block {block} is written by request {r} and also used by "
+                                f"request {r2} in the same step (cache corruption)")
+
+
+# -- forward ----------------------------------------------------------------------------------
+def validate_forward_inputs(impl, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            kv_cache: torch.Tensor | None, meta: AttentionMetadata,
+                            output: torch.Tensor | None, block_size: int | None = None,
+                            check_finite: bool = False) -> None:
+    """Checks ``BaseAttentionImpl._check_call`` does not make (call it right after it).
+
+    query/output: [T, Hq, D] or [T, Hq * D]; key/value: [T, Hkv, D] or flat; kv_cache:
+    (2, num_blocks, block_size, Hkv, D). ``block_size`` defaults to ``impl.config.block_size``
+    where the impl has a config (CP impls).
+    """
+    if output is None:
+        raise AttentionLayerError("output buffer is required (forward writes into it)")
+    for name, tensor in (("query", query), ("key", key), ("value", value), ("output", output)):
+        if not isinstance(tensor, torch.Tensor):
+            raise AttentionLayerError(f"{name} must be a tensor, got {type(tensor).__name__}")
+        if tensor.dtype not in FLOAT_DTYPES:
+            raise AttentionLayerError(f"{name} dtype {tensor.dtype} is not one of {FLOAT_DTYPES}")
+        if tensor.dim() not in (2, 3):
+            raise AttentionLayerError(f"{name} must be 2-D or 3-D, got shape {tuple(tensor.shape)}")
+    for name, tensor in (("key", key), ("value", value), ("output", output)):
+        if tensor.shape[0] != query.shape[0]:
+            raise AttentionLayerError(f"{name} has {tensor.shape[0]} rows but query has "
+                                      f"{query.shape[0]}")
+    if query.shape[0] < meta.num_input_tokens:
+        raise AttentionLayerError(f"query has {query.shape[0]} rows but the metadata was built "
+                                  f"for num_input_tokens={meta.num_input_tokens}")
+    if meta.local_token_idx.shape[0] != meta.num_input_tokens:
+        raise AttentionLayerError(f"metadata local_token_idx has {meta.local_token_idx.shape[0]}"
+                                  f" rows, num_input_tokens={meta.num_input_tokens}")
+    if output.data_ptr() in (query.data_ptr(), key.data_ptr(), value.data_ptr()) and output.numel():
+        raise AttentionLayerError("output must not alias query, key or value")
+    if check_finite:
+        rows = meta.num_actual_tokens
+        for name, tensor in (("query", query), ("key", key), ("value", value)):
+            if not bool(torch.isfinite(tensor[:rows]).all()):
+                raise AttentionLayerError(f"{name} holds NaN or inf in its first {rows} rows")
+    groups = getattr(impl, "groups", None)
+    if meta.pcp is not None and groups is not None and meta.pcp.pcp_rank != groups.ranks.pcp_rank:
+        raise AttentionLayerError(f"metadata was built for pcp_rank={meta.pcp.pcp_rank}, this "
+                                  f"rank is pcp_rank={groups.ranks.pcp_rank}")
+    config = getattr(impl, "config", None)
+    if meta.pcp is not None and config is not None and meta.pcp.pcp_size != config.pcp_size:
+        raise AttentionLayerError(f"metadata was built for pcp_size={meta.pcp.pcp_size}, the "
+                                  f"impl uses pcp_size={config.pcp_size}")
+    if block_size is None and config is not None:
+        block_size = config.block_size
+    if kv_cache is None or getattr(impl, "attn_type", "decoder") != "decoder":
+        return
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise AttentionLayerError(f"kv_cache shape {tuple(kv_cache.shape)} must be "
+                                  "(2, num_blocks, block_size, num_kv_heads, head_size)")
+    if kv_cache.device != query.device:
+        raise AttentionLayerError(f"kv_cache is on {kv_cache.device}, query on {query.device}")
+    num_blocks, cache_block = kv_cache.shape[1], kv_cache.shape[2]
+    if block_size is not None and cache_block != block_size:
+        raise AttentionLayerError(f"kv_cache block_size {cache_block} != the metadata's "
+                                  f"block_size {block_size}")
+    validate_slot_mapping(meta.step_slot_mapping, num_blocks * cache_block,
+                          error=AttentionLayerError)
+    if meta.has_context and meta.ctx_block_table.numel():
+        lens = meta.ctx_seq_lens.cpu().numpy()
+        table = meta.ctx_block_table.cpu().numpy()
+        used = np.arange(table.shape[1])[None, :] < -(-lens[:, None] // cache_block)
+        if -(-lens.max() // cache_block) > table.shape[1]:
+            raise AttentionLayerError(f"ctx_block_table has {table.shape[1]} blocks but a request "
+                                      f"holds {int(lens.max())} tokens of {cache_block}-token blocks")
+        bad = table[used][(table[used] < 0) | (table[used] >= num_blocks)]
+        if len(bad):
+            raise AttentionLayerError(f"ctx_block_table holds block {int(bad[0])} outside the "
+                                      f"kv_cache's [0, {num_blocks})")
+
+
+# -- planner invariants -----------------------------------------------------------------------
+def _expected_rows(step: StepSpec, config: CPConfig) -> tuple[np.ndarray, np.ndarray]:
+    """(request, offset) of every step row: decode rows, then each prefill padded to 2*pcp*c."""
+    scheduled = np.asarray(step.num_scheduled_tokens, dtype=np.int64)
+    is_decode = decode_mask(step, config.decode_threshold)
+    reqs, offs = [], []
+    for r in np.nonzero(is_decode)[0]:
+        reqs += [r] * scheduled[r]
+        offs += list(range(scheduled[r]))
+    for r in np.nonzero(~is_decode)[0]:
+        n = scheduled[r]
+        padded = n if config.pcp_size == 1 else -(-n // (2 * config.pcp_size)) * 2 * config.pcp_size
+        reqs += [r] * padded
+        offs += list(range(padded))
+    return np.asarray(reqs, dtype=np.int64), np.asarray(offs, dtype=np.int64)
+
+
+def validate_rank_plans(step: StepSpec, config: CPConfig,
+                        metas: dict[tuple[int, int], AttentionMetadata]) -> None:
+    """Invariants of one step's metadata over every (pcp_rank, dcp_rank) (raises StepError).
+
+    * every step token is written exactly once per KV shard group, at the DESIGN slot;
+    * the union of real local rows over PCP ranks is every step token, decodes on every rank;
+    * restore / scatter indices are inverse permutations, gathered[restore] is request order;
+    * context lengths sum to num_computed_tokens; index tensors are in range.
+    """
+    cfg = config
+    computed = np.asarray(step.num_computed_tokens, dtype=np.int64)
+    scheduled = np.asarray(step.num_scheduled_tokens, dtype=np.int64)
+    cu_new = step.cu_new_tokens
+    table = step.block_table.cpu().numpy().astype(np.int64)
+    world, inter = cfg.kv_world, cfg.cp_kv_interleave_size
+    row_req, row_off = _expected_rows(step, cfg)
+    row_real = row_off < scheduled[row_req]
+    token_pos = computed[row_req] + row_off
+    num_new = step.num_new_tokens
+
+    def fail(msg: str) -> None:
+        raise StepError(msg)
+
+    groups = [[(p, d) for p in range(cfg.pcp_size) for d in range(cfg.dcp_size)]] \
+        if cfg.kv_shard == "cp" else [[(p, d) for d in range(cfg.dcp_size)]
+                                      for p in range(cfg.pcp_size)]
+    for members in groups:
+        writes = np.zeros(num_new, dtype=np.int64)
+        for p, d in members:
+            meta = metas[(p, d)]
+            slots = meta.step_slot_mapping.numpy()
+            if len(slots) != len(row_req):
+                fail(f"rank ({p},{d}): step_slot_mapping has {len(slots)} rows, expected "
+                     f"{len(row_req)}")
+            shard = cfg.kv_rank(p, d)
+            mine = row_real & (kv_owner(token_pos, world, inter) == shard)
+            loc = local_position(token_pos, world, inter)
+            expect = np.full(len(row_req), -1, dtype=np.int64)
+            expect[mine] = (table[row_req[mine], loc[mine] // cfg.block_size] * cfg.block_size
+                            + loc[mine] % cfg.block_size)
+            if not np.array_equal(slots, expect):
+                i = int(np.nonzero(slots != expect)[0][0])
+                fail(f"rank ({p},{d}): step row {i} (request {row_req[i]}, position "
+                     f"{token_pos[i]}) has slot {slots[i]}, expected {expect[i]}")
+            np.add.at(writes, (cu_new[row_req] + row_off)[slots >= 0], 1)
+        if not (writes == 1).all():
+            t = int(np.nonzero(writes != 1)[0][0])
+            fail(f"KV group {members}: token {t} written {int(writes[t])} times")
+
+    for d in range(cfg.dcp_size):
+        seen = np.zeros(num_new, dtype=np.int64)
+        decode_tokens = None
+        for p in range(cfg.pcp_size):
+            meta = metas[(p, d)]
+            idx = meta.local_token_idx.numpy()
+            pos = meta.positions.numpy()
+            real = idx >= 0
+            req = np.searchsorted(cu_new, np.where(real, idx, 0), side="right") - 1
+            if not np.array_equal(pos[real], computed[req[real]] + idx[real] - cu_new[req[real]]):
+                fail(f"rank ({p},{d}): positions do not match local_token_idx")
+            if (pos[~real] != 0).any():
+                fail(f"rank ({p},{d}): pad rows have non-zero positions")
+            dec = idx[:meta.num_decode_tokens]
+            decode_tokens = dec if decode_tokens is None else decode_tokens
+            if not np.array_equal(dec, decode_tokens) or (dec < 0).any():
+                fail(f"rank ({p},{d}): decode rows differ between PCP ranks or hold pads")
+            np.add.at(seen, idx[meta.num_decode_tokens:][real[meta.num_decode_tokens:]], 1)
+            _check_rank_ranges(meta, cfg, computed, p, d, fail)
+        np.add.at(seen, decode_tokens, 1)
+        if not (seen == 1).all():
+            t = int(np.nonzero(seen != 1)[0][0])
+            fail(f"dcp_rank {d}: token {t} computed on {int(seen[t])} rows over PCP ranks")
+
+    ctx_total = np.zeros(step.num_reqs, dtype=np.int64)
+    order = np.concatenate([metas[(0, 0)].decode_reqs, metas[(0, 0)].prefill_reqs])
+    for (p, d), meta in metas.items():
+        if cfg.kv_shard == "dcp" and p:
+            continue
+        ctx_total[order] += meta.ctx_seq_lens.numpy()
+    if not np.array_equal(ctx_total, computed):
+        fail(f"context lengths over shards sum to {ctx_total.tolist()}, expected {computed.tolist()}")
+
+
+def _check_rank_ranges(meta: AttentionMetadata, cfg: CPConfig, computed: np.ndarray, p: int,
+                       d: int, fail) -> None:
+    """Per-rank lengths, cu_seqlens and index ranges."""
+    where = f"rank ({p},{d})"
+    split = meta.pcp
+    if split is not None:
+        rows = split.num_local_rows
+        total = cfg.pcp_size * rows
+        restore = split.pcp_allgather_restore_idx.numpy()
+        scatter = split.pcp_allgather_scatter_idx.numpy()
+        if not np.array_equal(np.sort(restore), np.arange(total)):
+            fail(f"{where}: pcp_allgather_restore_idx is not a permutation of {total} rows")
+        if not np.array_equal(restore[scatter], np.arange(total)):
+            fail(f"{where}: pcp_allgather_scatter_idx is not the inverse of the restore index")
+        order = split.restored_req * (1 << 32) + split.restored_padded_pos
+        if (np.diff(order) <= 0).any():
+            fail(f"{where}: restored rows are not in request order")
+        q_all = np.concatenate([split.q_head_idx.numpy(), split.q_tail_idx.numpy()])
+        if not np.array_equal(np.sort(q_all), np.arange(rows)):
+            fail(f"{where}: q_head_idx + q_tail_idx do not cover the {rows} local rows once")
+        if not np.array_equal(q_all[split.q_full_idx.numpy()], np.arange(rows)):
+            fail(f"{where}: q_full_idx does not restore the local order")
+        for name in ("kv_with_q_head_nomask_idx", "kv_with_q_head_mask_idx",
+                     "kv_with_q_tail_nomask_idx", "kv_with_q_tail_mask_idx"):
+            idx = getattr(split, name).numpy()
+            if len(idx) and (idx.min() < 0 or idx.max() >= total):
+                fail(f"{where}: {name} out of [0, {total})")
+        if meta.num_actual_tokens != meta.num_decode_tokens + rows:
+            fail(f"{where}: num_actual_tokens {meta.num_actual_tokens} != decodes "
+                 f"{meta.num_decode_tokens} + local prefill rows {rows}")
+    for name in ("decode_cu_seqlens", "prefill_cu_seqlens", "ctx_cu_seqlens"):
+        cu = getattr(meta, name).numpy()
+        if cu[0] != 0 or (np.diff(cu) < 0).any():
+            fail(f"{where}: {name} = {cu.tolist()} is not non-decreasing from 0")
+    if meta.decode_cu_seqlens.numpy()[-1] != meta.num_decode_tokens:
+        fail(f"{where}: decode_cu_seqlens ends at {meta.decode_cu_seqlens[-1]}, "
+             f"num_decode_tokens={meta.num_decode_tokens}")
+    expected_ctx = meta.num_decode_tokens + (cfg.pcp_size if meta.ctx_over_pcp else 1) * (
+        meta.num_actual_tokens - meta.num_decode_tokens)
+    if meta.ctx_cu_seqlens.numpy()[-1] != expected_ctx:
+        fail(f"{where}: ctx_cu_seqlens ends at {meta.ctx_cu_seqlens[-1]}, expected {expected_ctx}")
+    shard = cfg.kv_rank(p, d)
+    order = np.concatenate([meta.decode_reqs, meta.prefill_reqs])
+    lens = local_count(computed[order], shard, cfg.kv_world, cfg.cp_kv_interleave_size)
+    if not np.array_equal(meta.ctx_seq_lens.numpy(), lens):
+        fail(f"{where}: ctx_seq_lens {meta.ctx_seq_lens.tolist()} != {lens.tolist()}")
+    if not np.array_equal(meta.batch_seq_mask.numpy(), lens == 0):
+        fail(f"{where}: batch_seq_mask disagrees with ctx_seq_lens")
+    if not np.array_equal(meta.num_computed_tokens_of_pcp_dcp[:, p, d],
+                          local_count(computed, shard, cfg.kv_world, cfg.cp_kv_interleave_size)):
+        fail(f"{where}: num_computed_tokens_of_pcp_dcp[:, {p}, {d}] disagrees with ctx lengths")
+    if meta.ctx_kv_start is not None:
+        start, end = meta.ctx_kv_start.numpy(), meta.ctx_kv_end.numpy()
+        rows_len = np.repeat(lens, np.diff(meta.ctx_cu_seqlens.numpy()))
+        if (start < 0).any() or (start > end).any() or (end > rows_len).any():
+            fail(f"{where}: ctx_kv_start/ctx_kv_end outside [0, local context length]")
