@@ -1,0 +1,144 @@
+"""Metadata build time per step: ``CPMetadataBuilder.build`` for 1..256 requests.
+
+Configs: single device (MetadataBuilder), pcp=2 x dcp=2 (tp=2) and pcp=4. Steps: decode-only
+(contexts spread over 1k..128k tokens) and mixed (every 8th request a 512-token prefill chunk
+over cached context, the rest decodes). Median over repeats of ``build(step)`` on rank 0;
+target <= 1 ms at 256 requests. At 256 requests the builder is profiled (cProfile) and the
+top functions by own time are stored as ``hot_spots``.
+
+    python -m benchmarks.bench_metadata --out results/
+"""
+from __future__ import annotations
+
+import cProfile
+import pstats
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np
+import torch
+
+from benchmarks.common import new_figure, parse_args, save_figure, time_call, write_json
+from cp_attention.config import CPConfig
+from cp_attention.metadata.builder import CPMetadataBuilder, MetadataBuilder
+from cp_attention.metadata.common import StepSpec
+from cp_attention.metadata.kv_layout import blocks_needed
+from cp_attention.parallel import CPRanks
+
+NAME = "bench_metadata"
+CONFIGS = {"single": CPConfig(block_size=128),
+           "pcp2_dcp2": CPConfig(pcp_size=2, tp_size=2, dcp_size=2, block_size=128),
+           "pcp4": CPConfig(pcp_size=4, block_size=128)}
+TARGET_S = 1e-3
+
+
+def make_step(cfg: CPConfig, num_reqs: int, kind: str, seed: int = 0) -> StepSpec:
+    rng = np.random.default_rng(seed)
+    computed = rng.integers(1024, 131072, size=num_reqs)
+    scheduled = np.ones(num_reqs, dtype=np.int64)
+    if kind == "mixed":
+        scheduled[::8] = 512
+    seq = computed + scheduled
+    needed = blocks_needed(seq, cfg.block_size, cfg.kv_world)
+    table = np.zeros((num_reqs, int(needed.max())), dtype=np.int32)
+    start = 0
+    for r, n in enumerate(needed):  # distinct blocks per request
+        table[r, :n] = np.arange(start, start + n)
+        start += int(n)
+    return StepSpec(tuple(computed.tolist()), tuple(scheduled.tolist()), torch.from_numpy(table))
+
+
+def builder_for(cfg: CPConfig):
+    cls = CPMetadataBuilder if cfg.uses_cp else MetadataBuilder
+    return cls(cfg, CPRanks.of(cfg, 0))
+
+
+def hot_spots(builder, step: StepSpec, top: int = 12) -> list[dict]:
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(50):
+        builder.build(step)
+    profile.disable()
+    stats = pstats.Stats(profile)
+    rows = []
+    for (file, line, func), (cc, nc, tt, ct, _) in stats.stats.items():
+        rows.append({"function": f"{Path(file).name}:{line}:{func}", "calls_per_build": nc / 50,
+                     "own_us_per_build": tt / 50 * 1e6, "cum_us_per_build": ct / 50 * 1e6})
+    rows.sort(key=lambda r: -r["own_us_per_build"])
+    return rows[:top]
+
+
+def run(out_dir: str | Path, quick: bool = False) -> dict:
+    sizes = (1, 16) if quick else (1, 4, 16, 64, 256)
+    repeats = 3 if quick else 30
+    rows = []
+    for name, cfg in CONFIGS.items():
+        builder = builder_for(cfg)
+        for kind in ("decode", "mixed"):
+            for n in sizes:
+                step = make_step(cfg, n, kind)
+                t = time_call(lambda: builder.build(step), repeats=repeats, warmup=2)
+                rows.append({"config": name, "kind": kind, "num_reqs": n,
+                             "median_ms": t["median_s"] * 1e3, "min_ms": t["min_s"] * 1e3})
+    largest = max(sizes)
+    at_max = [r for r in rows if r["num_reqs"] == largest]
+    worst = max(at_max, key=lambda r: r["median_ms"])
+    profiles = []
+    for name, kind in {(worst["config"], worst["kind"]), ("pcp2_dcp2", "mixed")}:
+        cfg = CONFIGS[name]
+        profiles.append({"config": name, "kind": kind, "num_reqs": largest,
+                         "block_table_shape": list(make_step(cfg, largest, kind).block_table.shape),
+                         "top_by_own_time": hot_spots(builder_for(cfg),
+                                                      make_step(cfg, largest, kind), top=12)})
+    payload = {
+        "what": "median wall time of builder.build(step) on rank 0, 1 thread",
+        "target_ms_at_256": TARGET_S * 1e3,
+        "rows": rows,
+        "worst_ms_at_largest": max(r["median_ms"] for r in at_max),
+        "worst_decode_ms_at_largest": max(r["median_ms"] for r in at_max if r["kind"] == "decode"),
+        "worst_mixed_ms_at_largest": max(r["median_ms"] for r in at_max if r["kind"] == "mixed"),
+        "new_tokens_mixed_at_largest": int(sum(make_step(CONFIGS["single"], largest, "mixed")
+                                               .num_scheduled_tokens)),
+        "meets_target": all(r["median_ms"] <= TARGET_S * 1e3 for r in at_max),
+        "meets_target_decode_only": all(r["median_ms"] <= TARGET_S * 1e3 for r in at_max
+                                        if r["kind"] == "decode"),
+        "hot_spots": profiles,
+    }
+    write_json(out_dir, NAME, payload)
+    _plot(rows, out_dir)
+    return payload
+
+
+def _plot(rows, out_dir) -> None:
+    fig, (ax,) = new_figure()
+    keys = sorted({(r["config"], r["kind"]) for r in rows})
+    for i, (cfg, kind) in enumerate(keys):
+        mine = [r for r in rows if (r["config"], r["kind"]) == (cfg, kind)]
+        ax.plot([r["num_reqs"] for r in mine], [r["median_ms"] for r in mine],
+                "-o" if kind == "decode" else "--s", color=f"C{i // 2}", label=f"{cfg}, {kind}")
+    ax.axhline(TARGET_S * 1e3, color="red", ls=":", label="target 1 ms")
+    ax.set(xscale="log", yscale="log", xlabel="requests in the step",
+           ylabel="build time (ms, median)", title="metadata build time (rank 0)")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    save_figure(fig, out_dir, NAME)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(__doc__, argv)
+    payload = run(args.out, args.quick)
+    for r in payload["rows"]:
+        print(f"{r['config']:>10} {r['kind']:>6} n={r['num_reqs']:>3}: {r['median_ms']:.3f} ms")
+    for prof in payload["hot_spots"]:
+        print(f"hot spots {prof['config']} {prof['kind']} n={prof['num_reqs']} "
+              f"block table {prof['block_table_shape']}:")
+        for h in prof["top_by_own_time"]:
+            print(f"  {h['own_us_per_build']:8.1f} us own {h['cum_us_per_build']:8.1f} us cum "
+                  f"x{h['calls_per_build']:.0f} {h['function']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""Causal prefill wall time, one thread per rank: pcp=1 vs pcp=2, and PyTorch's ring CP.
+
+One request of S tokens (S = 8k, 16k, 32k), 4 heads (MHA), head size 64, fp32, one layer,
+no cached context. Timed: the attention layer's forward on each rank (for cp_attention this
+includes the K/V all-gather and the KV-cache write; for PyTorch's ring CP, the
+``scaled_dot_product_attention`` call inside ``context_parallel``, which includes its ring
+K/V exchange); the step time of a parallel run is the slowest rank's. pcp=1 runs in this
+process (1 thread), the 2-rank runs in a :class:`RankPool` (1 thread per rank), through the
+public backend classes (builder + impl forward; correctness is covered by the tests and
+``launch/run_cp.py --check``). Minimum over repeats; process CPU seconds are reported next to
+wall time because other users of the 2 cores inflate wall time.
+
+    python -m benchmarks.bench_speed --out results/
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np
+import torch
+
+from benchmarks.common import (enable_torch_ring_cp_on_cpu, human_tokens, new_figure,
+                               parse_args, save_figure, write_json)
+from cp_attention.backend import CPAttentionBackend
+from cp_attention.config import CPConfig
+from cp_attention.metadata.common import StepSpec
+from cp_attention.metadata.kv_layout import blocks_needed
+from cp_attention.parallel import CPRanks
+from cp_attention.testing.pool import RankPool
+
+NAME = "bench_speed"
+HEADS, HEAD_SIZE = 4, 64
+
+
+def _prepare(pcp: int, rank: int, groups, tokens: int):
+    """One rank's layer, metadata, local q/k/v rows and KV cache for a ``tokens`` prefill."""
+    cfg = CPConfig(pcp_size=pcp, block_size=128)
+    ranks = groups.ranks if groups is not None else CPRanks.of(cfg, rank)
+    num_blocks = int(blocks_needed(np.array([tokens]), cfg.block_size, cfg.kv_world)[0]) + 1
+    builder = CPAttentionBackend.get_builder_cls(cfg)(cfg, ranks, None, num_blocks)
+    extra = {"groups": groups} if cfg.uses_cp else {}
+    impl = CPAttentionBackend.get_impl_cls(cfg)(HEADS, HEAD_SIZE, HEAD_SIZE ** -0.5, HEADS,
+                                                **extra)
+    spec = StepSpec((0,), (tokens,), torch.arange(num_blocks, dtype=torch.int32)[None])
+    meta = builder.build(spec)
+    gen = torch.Generator().manual_seed(rank)
+    q, k, v = (torch.randn(meta.num_input_tokens, HEADS, HEAD_SIZE, generator=gen)
+               for _ in range(3))
+    cache = torch.zeros(CPAttentionBackend.get_kv_cache_shape(num_blocks, cfg.block_size, HEADS,
+                                                              HEAD_SIZE))
+    return impl, meta, q, k, v, cache
+
+
+def time_forward(pcp: int, rank: int, groups, tokens: int, repeats: int) -> dict:
+    """Wall and process-CPU seconds of the layer forward (min over ``repeats``)."""
+    import torch.distributed as dist
+    impl, meta, q, k, v, cache = _prepare(pcp, rank, groups, tokens)
+    out = torch.empty_like(q)
+    walls, cpus = [], []
+    for _ in range(repeats):
+        if pcp > 1:
+            dist.barrier()
+        wall, cpu = time.perf_counter(), time.process_time()
+        impl.forward(None, q, k, v, cache, meta, output=out)
+        cpus.append(time.process_time() - cpu)
+        walls.append(time.perf_counter() - wall)
+    return {"wall_s": min(walls), "cpu_s": min(cpus), "walls": walls}
+
+
+def cp_task(rank: int, get_groups, tokens: int, repeats: int = 1) -> dict:
+    """Pool task: cp_attention with pcp = world size."""
+    import torch.distributed as dist
+    pcp = dist.get_world_size()
+    return time_forward(pcp, rank, get_groups(CPConfig(pcp_size=pcp, block_size=128)), tokens,
+                        repeats)
+
+
+def torch_ring_task(rank: int, get_groups, tokens: int, repeats: int = 1) -> dict:
+    """Pool task: the same causal problem through torch's context_parallel (ring attention)."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.experimental import context_parallel
+
+    calls = enable_torch_ring_cp_on_cpu()
+    world = dist.get_world_size()
+    mesh = DeviceMesh("cpu", torch.arange(world))
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, HEADS, tokens, HEAD_SIZE, generator=gen) for _ in range(3))
+    before = calls["forward"]
+    walls, cpus = [], []
+    with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):
+        for _ in range(repeats):
+            dist.barrier()
+            wall, cpu = time.perf_counter(), time.process_time()
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            cpus.append(time.process_time() - cpu)
+            walls.append(time.perf_counter() - wall)
+    return {"wall_s": min(walls), "cpu_s": min(cpus), "walls": walls,
+            "ring_calls": (calls["forward"] - before) // repeats, "local_rows": int(out.shape[2])}
+
+
+def run(out_dir: str | Path, quick: bool = False, sizes=None, repeats: int | None = None) -> dict:
+    sizes = sizes or ((512, 1024) if quick else (8192, 16384, 32768))
+    repeats = repeats or (1 if quick else 3)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rows = []
+    try:
+        with RankPool(2, collective_timeout_s=300) as pool:
+            pool.run("benchmarks.bench_speed.cp_task", 256)  # warm up (imports, groups)
+            pool.run("benchmarks.bench_speed.torch_ring_task", 256)
+            for tokens in sizes:
+                reps = max(1, repeats if tokens < 32768 else repeats - 1)
+                one = time_forward(1, 0, None, tokens, reps)
+                two = pool.run("benchmarks.bench_speed.cp_task", tokens, reps, timeout_s=600)
+                ring = pool.run("benchmarks.bench_speed.torch_ring_task", tokens, reps,
+                                timeout_s=600)
+                s1 = one["wall_s"]
+                s2 = max(r["wall_s"] for r in two)
+                sr = max(r["wall_s"] for r in ring)
+                c1, c2, cr = (one["cpu_s"], max(r["cpu_s"] for r in two),
+                              max(r["cpu_s"] for r in ring))
+                flops = 2.0 * tokens * tokens * HEADS * HEAD_SIZE  # causal fwd: 4 * S^2/2 * H * D
+                rows.append({"tokens": tokens, "repeats": reps,
+                             "pcp1_s": s1, "pcp2_s": s2, "torch_ring_s": sr,
+                             "speedup_pcp2": s1 / s2, "efficiency_pcp2": s1 / (2 * s2),
+                             "speedup_torch_ring": s1 / sr,
+                             "cp_attention_vs_torch_ring": sr / s2,
+                             "cpu_pcp1_s": c1, "cpu_pcp2_s": c2, "cpu_torch_ring_s": cr,
+                             "cpu_speedup_pcp2": c1 / c2, "cpu_speedup_torch_ring": c1 / cr,
+                             "pcp1_gflops": flops / s1 / 1e9,
+                             "samples": {"pcp1": one["walls"], "pcp2": [r["walls"] for r in two],
+                                         "torch_ring": [r["walls"] for r in ring]},
+                             "torch_ring_calls_per_rank": min(r["ring_calls"] for r in ring)})
+    finally:
+        torch.set_num_threads(threads)
+    from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
+    payload = {
+        "what": "causal prefill, one layer, one request, fp32, MHA, 1 thread per rank",
+        "shape": {"num_heads": HEADS, "num_kv_heads": HEADS, "head_size": HEAD_SIZE},
+        "statistic": "wall: min over repeats, parallel time = slowest rank; cpu: process CPU "
+                     "seconds of the same call (less sensitive to other users of the cores)",
+        "torch_ring_options": str(_cp_options),
+        "rows": rows,
+    }
+    write_json(out_dir, NAME, payload)
+    _plot(rows, out_dir)
+    return payload
+
+
+def _plot(rows, out_dir) -> None:
+    fig, (ax1, ax2) = new_figure(2)
+    x = list(range(len(rows)))
+    labels = [human_tokens(r["tokens"]) for r in rows]
+    width = 0.27
+    for i, (key, label) in enumerate((("pcp1_s", "pcp=1 (1 rank)"),
+                                      ("pcp2_s", "cp_attention pcp=2"),
+                                      ("torch_ring_s", "torch ring CP, 2 ranks"))):
+        ax1.bar([xi + (i - 1) * width for xi in x], [r[key] for r in rows], width, label=label)
+    ax1.set_xticks(x, labels)
+    ax1.set(xlabel="prompt tokens", ylabel="wall seconds (one layer)", title="causal prefill time")
+    ax1.legend(fontsize=8)
+    ax2.plot(labels, [r["speedup_pcp2"] for r in rows], "-o", label="cp_attention pcp=2")
+    ax2.plot(labels, [r["speedup_torch_ring"] for r in rows], "-s", label="torch ring CP (2)")
+    ax2.axhline(2.0, color="grey", ls=":", label="ideal (2 ranks)")
+    ax2.set(xlabel="prompt tokens", ylabel="speedup over pcp=1", ylim=(0, 2.2),
+            title="speedup (2 ranks on a shared 2-core CPU)")
+    ax2.legend(fontsize=8)
+    ax2.grid(alpha=0.3)
+    save_figure(fig, out_dir, NAME)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(__doc__, argv)
+    payload = run(args.out, args.quick)
+    for r in payload["rows"]:
+        print(f"S={human_tokens(r['tokens'])}: pcp1 {r['pcp1_s']:.3f}s pcp2 {r['pcp2_s']:.3f}s "
+              f"ring {r['torch_ring_s']:.3f}s | speedup pcp2 {r['speedup_pcp2']:.2f} "
+              f"(eff {r['efficiency_pcp2']:.2f}), ring {r['speedup_torch_ring']:.2f}, "
+              f"ours/ring {r['cp_attention_vs_torch_ring']:.2f} | cpu-time speedup pcp2 "
+              f"{r['cpu_speedup_pcp2']:.2f}, ring {r['cpu_speedup_torch_ring']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""Each benchmark's run() at tiny sizes into a tmp dir: JSON keys and values are sane."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from benchmarks import (bench_comm, bench_cost_model, bench_load_balance, bench_metadata,
+                        bench_op_overhead, bench_speed)
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory):
+    return tmp_path_factory.mktemp("bench")
+
+
+def _load(out, name: str) -> dict:
+    assert (out / f"{name}.png").read_bytes()[:8] == PNG_MAGIC
+    data = json.loads((out / f"{name}.json").read_text())
+    assert data["benchmark"] == name and "torch" in data["environment"]
+    return data
+
+
+def test_load_balance(out):
+    bench_load_balance.run(out, quick=True)
+    data = _load(out, "bench_load_balance")
+    assert {(r["pcp"], r["prompt"]) for r in data["rows"]} == {(2, 64), (2, 4096), (4, 64), (4, 4096)}
+    for r in data["rows"]:
+        assert r["head_tail_max_over_mean"] == pytest.approx(1.0, abs=1e-12)  # 2*pcp divides
+        assert r["contiguous_max_over_mean"] == pytest.approx(r["contiguous_formula"], rel=2e-2)
+    assert all(r["head_tail_max_over_mean"] < r["contiguous_max_over_mean"]
+               for r in data["mixed_batch"]["rows"])
+
+
+@pytest.mark.distributed
+def test_comm(out):
+    bench_comm.run(out, quick=True)
+    data = _load(out, "bench_comm")
+    assert data["all_formulas_match_measurement"] is True
+    for r in data["measured"]["rows"]:
+        assert r["cache_exact"] and r["max_err_vs_fp64"] < 1e-4
+        assert r["decode_bytes_measured_per_rank"] == [r["decode_bytes_formula"]] * 4
+        if r["pcp"] > 1:
+            assert 1.0 <= r["prefill_over_bound"] < 1.2
+        else:
+            assert r["prefill_bytes_measured_per_rank"] == [0] * 4
+    decode = data["formula_decode"]["rows"]
+    for combo in {(r["pcp"], r["dcp"]) for r in decode}:
+        sizes = {r["bytes_per_layer"] for r in decode if (r["pcp"], r["dcp"]) == combo}
+        assert len(sizes) == 1 and sizes.pop() > 0  # flat in context length
+
+
+@pytest.mark.distributed
+def test_speed_then_cost_model(out):
+    bench_speed.run(out, quick=True)
+    data = _load(out, "bench_speed")
+    assert [r["tokens"] for r in data["rows"]] == [512, 1024]
+    for r in data["rows"]:
+        for key in ("pcp1_s", "pcp2_s", "torch_ring_s", "cpu_pcp2_s"):
+            assert 0 < r[key] < 60
+        assert r["speedup_pcp2"] == pytest.approx(r["pcp1_s"] / r["pcp2_s"])
+        assert r["torch_ring_calls_per_rank"] == 1  # the ring path ran, not a fallback
+    bench_cost_model.run(out, quick=True)
+    cost = json.loads((out / "bench_cost_model.json").read_text())
+    assert (out / "cost_model.png").read_bytes()[:8] == PNG_MAGIC
+    assert cost["fit"]["attention_flops_1_thread"] > 1e8
+    assert cost["fit"]["link_bw_bytes_per_s"] > 0 and cost["fit"]["link_latency_s"] > 0
+    assert [v["tokens"] for v in cost["validation_fitted"]] == [512, 1024]
+    for v in cost["validation_fitted"]:
+        assert 0 < v["speedup_predicted"] <= 2.0
+    effs = cost["predictions"]["prefill_efficiency"]
+    assert effs and all(0 < e["efficiency"] <= 1 for e in effs)
+    assert all(m["recommended"]["pcp"] in (1, 2, 4, 8) for m in cost["predictions"]["recommendations"])
+
+
+def test_metadata(out):
+    bench_metadata.run(out, quick=True)
+    data = _load(out, "bench_metadata")
+    assert len(data["rows"]) == 3 * 2 * 2
+    assert all(0 < r["median_ms"] < 1000 for r in data["rows"])
+    assert isinstance(data["meets_target"], bool)
+    funcs = [h["function"] for p in data["hot_spots"] for h in p["top_by_own_time"]]
+    assert any(f.endswith(":build") for f in funcs)
+
+
+def test_op_overhead(out):
+    bench_op_overhead.run(out, quick=True)
+    data = _load(out, "bench_op_overhead")
+    assert len(data["rows"]) == 4
+    for r in data["rows"]:
+        assert r["max_abs_diff"] < 1e-5  # same kernel underneath: same numbers
+        assert 0.1 < r["overhead_ratio"] < 10 and math.isfinite(r["overhead_ratio"])
