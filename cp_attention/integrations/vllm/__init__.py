@@ -1,0 +1,54 @@
+"""vLLM plugin: run vLLM's CPU attention through cp_attention (DCP included).
+
+Entry point (``pyproject.toml``, group ``vllm.general_plugins``)::
+
+    cp_attention = "cp_attention.integrations.vllm:register"
+
+vLLM calls :func:`register` in every process it starts (API process, EngineCore, each worker;
+``vllm/plugins/__init__.py:77``, ``vllm/v1/worker/worker_base.py:276``). It does nothing
+unless the environment variable ``CP_ATTENTION_VLLM=1`` is set, so installing cp_attention
+never changes vLLM silently. When enabled on the CPU platform it
+
+  1. overrides ``AttentionBackendEnum.CPU_ATTN`` (the backend the CPU platform always picks,
+     ``vllm/platforms/cpu.py:179``) with :class:`~.backend.CPVllmBackend`, and
+  2. replaces the CPU fallback of vLLM's slot-mapping Triton kernel, which refuses context
+     parallelism (``vllm/utils/cpu_triton_utils.py:27``), by a CP-aware one
+     (:mod:`.slot_mapping`); the platform installs it right after the plugins load
+     (``worker_base.py:282``).
+
+This module imports vLLM lazily (only inside :func:`register`); ``.backend`` imports it at
+module level and is only loaded by vLLM through the registered class path.
+"""
+from __future__ import annotations
+
+import os
+
+ENV_ENABLE = "CP_ATTENTION_VLLM"
+BACKEND_CLASS_PATH = "cp_attention.integrations.vllm.backend.CPVllmBackend"
+LOGGER_NAME = "vllm.cp_attention"  # under vLLM's logger, so its handlers print our lines
+
+
+def enabled() -> bool:
+    """True when the user opted in with ``CP_ATTENTION_VLLM=1``."""
+    return os.environ.get(ENV_ENABLE, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def register() -> None:
+    """vLLM general-plugin hook; safe to call several times per process."""
+    if not enabled():
+        return
+    import logging
+
+    from vllm.platforms import current_platform
+
+    log = logging.getLogger(LOGGER_NAME)
+    if not current_platform.is_cpu():
+        log.warning("%s=1 ignored: the cp_attention vLLM plugin targets the CPU platform "
+                    "(CPU_ATTN); GPU/NPU builds of vLLM ship their own DCP backends", ENV_ENABLE)
+        return
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    from cp_attention.integrations.vllm.slot_mapping import install_slot_mapping_shim
+
+    register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_CLASS_PATH)
+    install_slot_mapping_shim()

@@ -1,0 +1,226 @@
+"""vLLM ``AttentionBackend`` that runs cp_attention's impls (imports vLLM; loaded by vLLM only).
+
+KV cache: vLLM hands each layer a ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``
+tensor (layout LBHNC). We keep K in ``[..., :head_size]`` and V in ``[..., head_size:]`` and
+present them to our ops as the strided view ``[2, num_blocks, block_size, num_kv_heads,
+head_size]`` (no copy). This backend writes the cache itself inside ``forward``
+(``forward_includes_kv_cache_update = True``), with the slot mapping of our metadata, which
+the builder checks equals vLLM's for every step.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.distributed.parallel_state import get_dcp_group, get_tp_group
+from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionImpl,
+                                       AttentionMetadataBuilder, AttentionType,
+                                       CommonAttentionMetadata, MultipleOf)
+from vllm.v1.kv_cache_interface import KVCacheLayout
+
+from cp_attention.backend import CPAttentionBackend
+from cp_attention.config import CPConfig
+from cp_attention.integrations.vllm import LOGGER_NAME
+from cp_attention.integrations.vllm.adapter import (check_slot_mapping, cp_config_from_vllm,
+                                                    row_order, step_from_vllm)
+from cp_attention.metadata.builder import AttentionMetadata
+from cp_attention.parallel import CPGroups, CPRanks
+
+log = logging.getLogger(LOGGER_NAME)
+ENV_FAULT = "CP_ATTENTION_VLLM_FAULT"  # test-only fault injection (negative control)
+ENV_REORDER = "CP_ATTENTION_VLLM_REORDER"  # "0": vLLM does not reorder its batch for us
+
+
+def _inject_skip_dcp_combine(impl) -> None:
+    """Negative control: keep only this rank's KV-shard partial (drop the DCP combine)."""
+    rank, heads = impl.groups.ranks.dcp_rank, impl.num_heads
+    mine = slice(rank * heads, (rank + 1) * heads)
+    impl._combine_context = lambda out, lse, meta: (out[:, mine], lse[:, mine])
+    log.warning("%s=skip_dcp_combine: DCP partials are NOT combined (results are wrong)",
+                ENV_FAULT)
+
+
+def vllm_cp_config(vllm_config: VllmConfig, block_size: int, decode_threshold: int = 1
+                   ) -> CPConfig:
+    """Our CPConfig for this vLLM deployment; PCP is refused (vLLM 0.32 cannot run it)."""
+    config = cp_config_from_vllm(vllm_config.parallel_config, block_size, decode_threshold)
+    if config.pcp_size > 1:
+        raise NotImplementedError("prefill context parallel through vLLM is not supported "
+                                  "(vLLM 0.32 runs PCP only on the V2 runner, for MLA models); "
+                                  "see docs/vllm.md")
+    return config
+
+
+def vllm_ranks(config: CPConfig) -> CPRanks:
+    """This worker's coordinates from vLLM's parallel state (pcp is always 1 here)."""
+    tp_rank = get_tp_group().rank_in_group if config.tp_size > 1 else 0
+    dcp_rank = get_dcp_group().rank_in_group if config.dcp_size > 1 else 0
+    if dcp_rank != tp_rank % config.dcp_size:
+        raise RuntimeError(f"vLLM DCP rank {dcp_rank} is not tp_rank {tp_rank} % dcp_size "
+                           f"{config.dcp_size}: unexpected group layout")
+    return CPRanks(pcp_rank=0, tp_rank=tp_rank, dcp_rank=dcp_rank)
+
+
+def vllm_groups(config: CPConfig) -> CPGroups:
+    """CPGroups over vLLM's gloo (``cpu_group``) TP and DCP groups."""
+    tp = get_tp_group().cpu_group if config.tp_size > 1 else None
+    dcp = get_dcp_group().cpu_group if config.dcp_size > 1 else None
+    return CPGroups(config, vllm_ranks(config), torch.device("cpu"), pcp_group=None,
+                    tp_group=tp, dcp_group=dcp, kv_group=dcp)
+
+
+def kv_cache_view(kv_cache: torch.Tensor, head_size: int) -> torch.Tensor:
+    """[num_blocks, H, block_size, 2D] -> strided view [2, num_blocks, block_size, H, D]."""
+    return kv_cache.unflatten(-1, (2, head_size)).permute(3, 0, 2, 1, 4)
+
+
+class CPVllmBackend(AttentionBackend):
+    """cp_attention as vLLM's CPU attention backend (registered over ``CPU_ATTN``)."""
+
+    forward_includes_kv_cache_update: bool = True
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto"]
+
+    @staticmethod
+    def get_name() -> str:
+        return "CPU_ATTN"  # Attention.__init__ looks the name up in AttentionBackendEnum
+
+    @staticmethod
+    def get_impl_cls() -> type["CPVllmImpl"]:
+        return CPVllmImpl
+
+    @staticmethod
+    def get_builder_cls() -> type["CPVllmMetadataBuilder"]:
+        return CPVllmMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list:
+        return [MultipleOf(16)]
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return []  # any head size (pure torch ops)
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple:
+        return (KVCacheLayout.LBHNC,)
+
+
+@dataclass
+class CPVllmMetadata:
+    """Our per-rank metadata plus what the impl needs to map rows back to vLLM's order."""
+
+    inner: AttentionMetadata
+    num_actual_tokens: int  # vLLM's real tokens of the step
+    row_idx: torch.Tensor | None  # [num_actual_tokens] vLLM token of each of our rows; None = same
+    block_size: int
+    slot_mapping: torch.Tensor  # vLLM's (kept for code that reads it generically)
+
+
+class CPVllmMetadataBuilder(AttentionMetadataBuilder[CPVllmMetadata]):
+    """Builds our metadata from vLLM's ``CommonAttentionMetadata`` and checks the slots."""
+
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
+    def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config: VllmConfig,
+                 device: torch.device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self._init_reorder_batch_threshold(1)  # vLLM puts decodes first, as our rows do
+        self.config = vllm_cp_config(vllm_config, kv_cache_spec.block_size,
+                                     decode_threshold=self.reorder_batch_threshold)
+        if os.environ.get(ENV_REORDER, "1") == "0":
+            self.reorder_batch_threshold = None  # keep vLLM's batch order; rows are permuted
+        self.inner = CPAttentionBackend.get_builder_cls(self.config)(
+            self.config, vllm_ranks(self.config),
+            sliding_window=getattr(kv_cache_spec, "sliding_window", None))
+        self._reorder_seen = False
+        log.info("cp_attention metadata builder: %s, ranks %s, layers %d", self.config,
+                 self.inner.ranks, len(layer_names))
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> CPVllmMetadata:
+        cm = common_attn_metadata
+        vstep = step_from_vllm(cm.query_start_loc_cpu, cm.seq_lens.cpu(),
+                               cm.block_table_tensor.cpu(), cm.num_reqs)
+        meta = self.inner.build(vstep.step)
+        check_slot_mapping(meta, cm.slot_mapping, vstep.num_tokens, vstep.step,
+                           where=f"[rank {self.inner.ranks}] ")
+        rows = row_order(meta, vstep.num_tokens)
+        log.debug("cp_attention step: computed %s new %s reordered %s",
+                  vstep.step.num_computed_tokens, vstep.step.num_scheduled_tokens, rows is not None)
+        if rows is not None and not self._reorder_seen:
+            self._reorder_seen = True
+            log.info("cp_attention: row order differs from vLLM's batch order (our rows put "
+                     "decodes first); rows are gathered and scattered")
+        return CPVllmMetadata(meta, vstep.num_tokens, rows, self.config.block_size,
+                              cm.slot_mapping)
+
+
+class CPVllmImpl(AttentionImpl[CPVllmMetadata]):
+    """Wraps :class:`BaseAttentionImpl` (no CP) or :class:`CPAttentionImpl` (DCP)."""
+
+    can_return_lse_for_decode: bool = True  # the DCP combine merges by LSE (cp_utils.py:51)
+    supports_dcp: bool = True
+    supports_pcp: bool = False  # vLLM 0.32 cannot run PCP for this backend (docs/vllm.md)
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
+                 alibi_slopes: list[float] | None = None, sliding_window: int | None = None,
+                 kv_cache_dtype: str = "auto", logits_soft_cap: float | None = None,
+                 attn_type: str = AttentionType.DECODER,
+                 kv_sharing_target_layer_name: str | None = None, **extra) -> None:
+        given = {"alibi_slopes": alibi_slopes, "logits_soft_cap": logits_soft_cap or None,
+                 "kv_sharing_target_layer_name": kv_sharing_target_layer_name, **extra}
+        unsupported = sorted(name for name, value in given.items() if value is not None)
+        if unsupported:
+            raise NotImplementedError(f"cp_attention vLLM backend does not support {unsupported};"
+                                      " unset CP_ATTENTION_VLLM to use vLLM's own CPU_ATTN")
+        if attn_type != AttentionType.DECODER:
+            raise NotImplementedError(f"cp_attention vLLM backend supports decoder attention "
+                                      f"only, got attn_type={attn_type!r}")
+        self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.sliding_window = sliding_window
+        vllm_config = get_current_vllm_config()
+        self.config = vllm_cp_config(vllm_config, vllm_config.cache_config.block_size)
+        groups = vllm_groups(self.config) if self.config.uses_cp else None
+        self.inner = CPAttentionBackend.get_impl_cls(self.config)(
+            num_heads, head_size, scale, self.num_kv_heads, sliding_window=sliding_window,
+            attn_type="decoder", kv_cache_dtype=kv_cache_dtype, groups=groups)
+        if os.environ.get(ENV_FAULT) == "skip_dcp_combine" and self.config.dcp_size > 1:
+            _inject_skip_dcp_combine(self.inner)
+        if self.dcp_world_size != self.config.dcp_size:
+            raise RuntimeError(f"vLLM DCP world {self.dcp_world_size} != config "
+                               f"{self.config.dcp_size}")
+        log.info("cp_attention impl active: %s, heads %d/%d (q/kv on this rank), dcp rank %d/%d",
+                 type(self.inner).__name__, num_heads, self.num_kv_heads, self.dcp_rank,
+                 self.dcp_world_size)
+
+    def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: CPVllmMetadata | None,
+                output: torch.Tensor | None = None, output_scale: torch.Tensor | None = None,
+                output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """query [T, Hq, D], key/value [T, Hkv, D], output [T, Hq, D] (T may be padded)."""
+        if attn_metadata is None:  # profiling / warm-up run: nothing to attend
+            return output
+        meta, n = attn_metadata, attn_metadata.num_actual_tokens
+        if kv_cache.shape[2] != meta.block_size:
+            raise RuntimeError(f"KV cache block size {kv_cache.shape[2]} != metadata block size "
+                               f"{meta.block_size}")
+        cache = kv_cache_view(kv_cache, self.head_size)
+        rows = meta.row_idx
+        if rows is None:
+            self.inner.forward(layer, query[:n], key[:n], value[:n], cache, meta.inner,
+                               output=output[:n], output_scale=output_scale,
+                               output_block_scale=output_block_scale)
+            return output
+        out = torch.empty_like(output[:n])
+        self.inner.forward(layer, query[rows], key[rows], value[rows], cache, meta.inner,
+                           output=out, output_scale=output_scale,
+                           output_block_scale=output_block_scale)
+        output[rows] = out
+        return output

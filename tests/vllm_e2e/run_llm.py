@@ -1,0 +1,68 @@
+"""Run one offline vLLM generation and print the result as one JSON line (used in a subprocess).
+
+Usage: python run_llm.py MODEL_DIR [--tp N] [--dcp N] [--interleave I] [--block-size B]
+       [--max-tokens N|JSON] [--max-num-seqs N] [--max-batched N] [--logprobs K] --prompts JSON
+The attention backend is chosen by the environment (CP_ATTENTION_VLLM=1: cp_attention).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+RESULT_PREFIX = "CP_E2E_RESULT "
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("model")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--dcp", type=int, default=1)
+    p.add_argument("--interleave", type=int, default=1)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-tokens", default="12", help="int, or JSON list (one per prompt)")
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--max-batched", type=int, default=256)
+    p.add_argument("--logprobs", type=int, default=2)
+    p.add_argument("--prompts", required=True, help="JSON list of token-id lists")
+    a = p.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+    from vllm import LLM, SamplingParams
+
+    kwargs = dict(model=a.model, load_format="safetensors", skip_tokenizer_init=True,
+                  dtype="float32", seed=0, max_model_len=256, max_num_seqs=a.max_num_seqs,
+                  max_num_batched_tokens=a.max_batched, block_size=a.block_size,
+                  tensor_parallel_size=a.tp, enforce_eager=True, enable_prefix_caching=False)
+    if a.dcp > 1:
+        kwargs.update(decode_context_parallel_size=a.dcp, cp_kv_cache_interleave_size=a.interleave)
+    if a.tp > 1:
+        kwargs["distributed_executor_backend"] = "mp"
+    t0 = time.time()
+    llm = LLM(**kwargs)
+    t1 = time.time()
+    prompts = [{"prompt_token_ids": ids} for ids in json.loads(a.prompts)]
+    max_tokens = json.loads(a.max_tokens)
+    if isinstance(max_tokens, int):
+        max_tokens = [max_tokens] * len(prompts)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False,
+                             logprobs=a.logprobs) for n in max_tokens]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    t2 = time.time()
+    result = {"init_s": round(t1 - t0, 2), "generate_s": round(t2 - t1, 2), "requests": []}
+    for out in outputs:
+        comp = out.outputs[0]
+        steps = []
+        for token, top in zip(comp.token_ids, comp.logprobs):
+            ranked = sorted(top.items(), key=lambda kv: kv[1].rank)[:a.logprobs]
+            steps.append({"token": int(token), "logprob": float(top[token].logprob),
+                          "rank": int(top[token].rank),
+                          "top": [[int(t), float(lp.logprob)] for t, lp in ranked]})
+        result["requests"].append({"prompt_len": len(out.prompt_token_ids),
+                                   "token_ids": [int(t) for t in comp.token_ids], "steps": steps})
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,307 @@
+"""The vLLM plugin's pieces, in process: registration, slot-mapping shim, batch translation,
+KV-cache view, and PCP metadata from vLLM-shaped inputs (PCP itself cannot run in vLLM 0.32 CPU,
+docs/vllm.md)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from cp_attention.config import CPConfig
+from cp_attention.integrations import vllm as plugin
+from cp_attention.integrations.vllm.adapter import (SlotMappingMismatch, check_slot_mapping,
+                                                    cp_config_from_vllm, row_order,
+                                                    slots_in_vllm_order, step_from_vllm)
+from cp_attention.integrations.vllm.slot_mapping import (cp_slot_mapping,
+                                                         install_slot_mapping_shim,
+                                                         make_slot_mapping_impl)
+from cp_attention.metadata.builder import CPMetadataBuilder, MetadataBuilder
+from cp_attention.metadata.kv_layout import slot_mapping as our_slot_mapping
+from cp_attention.ops import ReferenceOps
+from cp_attention.parallel import CPRanks
+from cp_attention.testing.dense import dense_attention
+
+pytestmark = pytest.mark.vllm
+
+
+# -- helpers --------------------------------------------------------------------------------
+def vllm_batch(computed, new, block_size, world=1, rank=0, interleave=1, max_blocks=8, seed=0):
+    """A vLLM ``CommonAttentionMetadata`` (CPU) with vLLM-formula slots; also returns positions."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    gen = torch.Generator().manual_seed(seed)
+    computed, new = np.asarray(computed), np.asarray(new)
+    num_reqs = len(new)
+    qsl = torch.from_numpy(np.concatenate([[0], np.cumsum(new)])).to(torch.int32)
+    seq_lens = torch.from_numpy(computed + new).to(torch.int32)
+    table = torch.randperm(num_reqs * max_blocks, generator=gen)[:num_reqs * max_blocks]
+    table = table.view(num_reqs, max_blocks).to(torch.int32)
+    positions = torch.cat([torch.arange(c, c + n) for c, n in zip(computed, new)]).to(torch.int64)
+    slots = cp_slot_mapping(qsl, positions, table, block_size, world, rank, interleave)
+    meta = CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq_lens, num_reqs=num_reqs,
+        num_actual_tokens=int(new.sum()), max_query_len=int(new.max()),
+        max_seq_len=int(seq_lens.max()), block_table_tensor=table, slot_mapping=slots,
+        positions=positions)
+    return meta, positions
+
+
+def build(cm, config: CPConfig, ranks: CPRanks = CPRanks()):
+    vstep = step_from_vllm(cm.query_start_loc_cpu, cm.seq_lens, cm.block_table_tensor, cm.num_reqs)
+    builder = (CPMetadataBuilder if config.uses_cp else MetadataBuilder)(config, ranks)
+    return vstep, builder.build(vstep.step)
+
+
+# -- import hygiene and registration --------------------------------------------------------
+def test_core_package_never_imports_vllm():
+    code = ("import sys, cp_attention, cp_attention.integrations.vllm, "
+            "cp_attention.integrations.vllm.adapter, cp_attention.integrations.vllm.slot_mapping, "
+            "cp_attention.testing.workload; "
+            "bad = sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')); "
+            "assert not bad, bad")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env={k: v for k, v in os.environ.items()
+                                            if k != plugin.ENV_ENABLE})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.fixture
+def clean_registry(monkeypatch):
+    import vllm.utils.cpu_triton_utils as cpu_tl
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    original = cpu_tl._compute_slot_mapping_kernel_impl
+    AttentionBackendEnum.CPU_ATTN.clear_override()
+    yield AttentionBackendEnum, cpu_tl, original
+    AttentionBackendEnum.CPU_ATTN.clear_override()
+    cpu_tl._compute_slot_mapping_kernel_impl = original
+
+
+def test_register_does_nothing_without_opt_in(clean_registry, monkeypatch):
+    enum, cpu_tl, original = clean_registry
+    for value in (None, "0", ""):
+        if value is None:
+            monkeypatch.delenv(plugin.ENV_ENABLE, raising=False)
+        else:
+            monkeypatch.setenv(plugin.ENV_ENABLE, value)
+        plugin.register()
+        assert enum.CPU_ATTN.get_path() == "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend"
+        assert cpu_tl._compute_slot_mapping_kernel_impl is original
+
+
+def test_register_overrides_cpu_attn_and_installs_shim_once(clean_registry, monkeypatch):
+    enum, cpu_tl, original = clean_registry
+    monkeypatch.setenv(plugin.ENV_ENABLE, "1")
+    plugin.register()
+    plugin.register()  # vLLM may load plugins more than once per process
+    assert enum.CPU_ATTN.get_path() == plugin.BACKEND_CLASS_PATH
+    from cp_attention.integrations.vllm.backend import CPVllmBackend
+
+    assert enum.CPU_ATTN.get_class() is CPVllmBackend
+    assert cpu_tl._compute_slot_mapping_kernel_impl.__wrapped__ is original
+    assert not install_slot_mapping_shim()  # already installed
+
+
+def test_backend_contract():
+    from vllm.v1.attention.backend import AttentionBackend, MultipleOf
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from cp_attention.integrations.vllm.backend import CPVllmBackend, CPVllmImpl
+
+    assert issubclass(CPVllmBackend, AttentionBackend)
+    assert CPVllmBackend.get_name() in AttentionBackendEnum.__members__
+    assert CPVllmBackend.supports_dcp() and not CPVllmBackend.supports_pcp()
+    assert CPVllmImpl.can_return_lse_for_decode  # vllm/v1/worker/cp_utils.py:51
+    assert CPVllmBackend.forward_includes_kv_cache_update
+    assert CPVllmBackend.supports_dtype(torch.float32) and CPVllmBackend.supports_dtype(torch.bfloat16)
+    sizes = CPVllmBackend.get_supported_kernel_block_sizes()
+    assert sizes == [MultipleOf(16)] and CPVllmBackend.supports_block_size(32)
+    assert not CPVllmBackend.supports_block_size(8)
+
+
+def test_cp_config_from_vllm_parallel_config():
+    from vllm.config import ParallelConfig
+
+    pc = ParallelConfig(tensor_parallel_size=4, decode_context_parallel_size=2,
+                        cp_kv_cache_interleave_size=16)
+    cfg = cp_config_from_vllm(pc, block_size=32, decode_threshold=1)
+    assert (cfg.tp_size, cfg.dcp_size, cfg.pcp_size, cfg.block_size, cfg.cp_kv_interleave_size,
+            cfg.kv_shard, cfg.kv_world) == (4, 2, 1, 32, 16, "dcp", 2)
+    with pytest.raises(ValueError, match="cp_kv_interleave_size"):
+        cp_config_from_vllm(pc, block_size=24)
+
+
+def test_backend_refuses_pcp():
+    from types import SimpleNamespace
+
+    from vllm.config import ParallelConfig
+
+    from cp_attention.integrations.vllm.backend import vllm_cp_config
+
+    pcp = SimpleNamespace(parallel_config=ParallelConfig(prefill_context_parallel_size=2))
+    with pytest.raises(NotImplementedError, match="prefill context parallel"):
+        vllm_cp_config(pcp, block_size=32)
+    dcp = SimpleNamespace(parallel_config=ParallelConfig(tensor_parallel_size=2,
+                                                         decode_context_parallel_size=2))
+    assert vllm_cp_config(dcp, block_size=32).dcp_size == 2
+
+
+def test_vllm_rejects_pcp_on_cpu(tmp_path, monkeypatch, clean_registry):
+    """The boundary documented in docs/vllm.md: PCP dies in vLLM's config validation
+    (V1 runner, vllm/config/vllm.py:2960/3198) before any attention backend is chosen."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from tiny_model import make_tiny_llama
+
+    monkeypatch.setenv(plugin.ENV_ENABLE, "1")
+    model = make_tiny_llama(tmp_path / "tiny")
+    args = EngineArgs(model=str(model), skip_tokenizer_init=True, load_format="safetensors",
+                      enforce_eager=True, block_size=32, prefill_context_parallel_size=2)
+    with pytest.raises(ValueError, match="Model Runner V1 does not support: prefill context"):
+        args.create_engine_config()
+
+
+# -- slot mapping -----------------------------------------------------------------------------
+@pytest.mark.parametrize("world,interleave,block_size", [(1, 1, 16), (2, 1, 16), (2, 16, 32),
+                                                         (4, 4, 16), (4, 16, 16), (2, 2, 32)])
+def test_shim_slots_equal_kv_layout_slot_mapping(world, interleave, block_size):
+    rng = np.random.default_rng(world * 100 + interleave + block_size)
+    computed = rng.integers(0, 200, size=5)
+    new = rng.integers(1, 40, size=5)
+    qsl = torch.from_numpy(np.concatenate([[0], np.cumsum(new)]))
+    positions = torch.from_numpy(np.concatenate([np.arange(c, c + n) for c, n in zip(computed, new)]))
+    req = np.repeat(np.arange(5), new)
+    table = torch.from_numpy(rng.permutation(5 * 16).reshape(5, 16)).to(torch.int32)
+    owners = np.zeros(len(positions), dtype=int)
+    for rank in range(world):
+        shim = cp_slot_mapping(qsl, positions, table, block_size, world, rank, interleave)
+        ours = our_slot_mapping(req, positions.numpy(), table.numpy(), block_size, world, rank,
+                                interleave)
+        np.testing.assert_array_equal(shim.numpy(), ours)
+        owners += ours >= 0
+    assert (owners == 1).all()  # every token stored by exactly one DCP rank
+
+
+def test_shim_impl_delegates_world_one_and_pads():
+    calls = []
+    impl = make_slot_mapping_impl(lambda *args: calls.append(args))
+    qsl = torch.tensor([0, 3, 5], dtype=torch.int32)
+    positions = torch.tensor([0, 1, 2, 7, 8])
+    table = torch.tensor([[4, 5], [6, 7]], dtype=torch.int32)
+    out = torch.full((8,), 123, dtype=torch.int64)
+    impl(5, 8, qsl, positions, table, 2, out, 4, 1, 0, 1, -1, 1024)
+    assert len(calls) == 1 and calls[0][6] is out and (out == 123).all()
+    impl(5, 8, qsl, positions, table, 2, out, 4, 2, 1, 1, -1, 1024)
+    # world 2, rank 1, block 4: virtual block 8 tokens; odd positions are rank 1's
+    assert out.tolist() == [-1, 4 * 4 + 0, -1, 6 * 4 + 3, -1, -1, -1, -1]
+
+
+def test_world_one_matches_vllm_cpu_kernel():
+    """vLLM's own CPU C++ kernel (the function we delegate to) agrees with our formula."""
+    import vllm.utils.cpu_triton_utils as cpu_tl
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()
+    original = getattr(cpu_tl._compute_slot_mapping_kernel_impl, "__wrapped__",
+                       cpu_tl._compute_slot_mapping_kernel_impl)
+    cm, positions = vllm_batch([0, 40, 63], [8, 1, 37], block_size=16)
+    out = torch.full((64,), 99, dtype=torch.int64)
+    original(46, 64, cm.query_start_loc, positions, cm.block_table_tensor,
+             cm.block_table_tensor.stride(0), out, 16)
+    assert torch.equal(out[:46], cm.slot_mapping)
+
+
+# -- batch translation and the slot-mapping check ----------------------------------------------
+def test_step_from_vllm_drops_padding_and_reorders_rows():
+    # vLLM order: one-token prompt, decode, chunked prefill with context, padding request
+    cm, _ = vllm_batch([0, 40, 63, 0], [1, 1, 37, 0], block_size=16)
+    vstep, meta = build(cm, CPConfig(block_size=16, kv_shard="dcp"))
+    assert vstep.step.num_computed_tokens == (0, 40, 63)
+    assert vstep.step.num_scheduled_tokens == (1, 1, 37) and vstep.num_tokens == 39
+    rows = row_order(meta, vstep.num_tokens)
+    assert rows is not None and rows[:3].tolist() == [1, 0, 2]  # decode first, then the prompt
+    assert rows.sort().values.tolist() == list(range(39))
+    check_slot_mapping(meta, cm.slot_mapping, vstep.num_tokens, vstep.step)
+
+
+@pytest.mark.parametrize("interleave", [1, 16])
+def test_dcp_slot_mapping_check_accepts_vllm_and_rejects_corruption(interleave):
+    config = CPConfig(tp_size=2, dcp_size=2, block_size=32, cp_kv_interleave_size=interleave,
+                      kv_shard="dcp")
+    for rank in range(2):
+        cm, _ = vllm_batch([0, 40, 63], [5, 1, 37], block_size=32, world=2, rank=rank,
+                           interleave=interleave)
+        vstep, meta = build(cm, config, CPRanks(0, rank, rank))
+        check_slot_mapping(meta, cm.slot_mapping, vstep.num_tokens, vstep.step)
+        stored = slots_in_vllm_order(meta, vstep.num_tokens) >= 0
+        assert 0 < int(stored.sum()) < vstep.num_tokens  # DCP: each rank stores a share
+        bad = cm.slot_mapping.clone()
+        first = int(torch.nonzero(stored)[0, 0])
+        bad[first] += 1
+        with pytest.raises(SlotMappingMismatch, match=f"token {first} "):
+            check_slot_mapping(meta, bad, vstep.num_tokens, vstep.step)
+        other = vllm_batch([0, 40, 63], [5, 1, 37], block_size=32, world=2, rank=1 - rank,
+                           interleave=interleave)[0]
+        with pytest.raises(SlotMappingMismatch, match="refusing to write the cache"):
+            check_slot_mapping(meta, other.slot_mapping, vstep.num_tokens, vstep.step)
+
+
+# -- KV cache view ------------------------------------------------------------------------------
+def test_kv_cache_view_write_and_paged_attention():
+    from cp_attention.integrations.vllm.backend import kv_cache_view
+
+    torch.manual_seed(0)
+    blocks, heads, bs, dim = 6, 2, 16, 32
+    cache = torch.zeros(blocks, heads, bs, 2 * dim)  # vLLM's per-layer tensor (LBHNC)
+    view = kv_cache_view(cache, dim)
+    assert view.shape == (2, blocks, bs, heads, dim) and view.data_ptr() == cache.data_ptr()
+    length = 37
+    k, v = torch.randn(length, heads, dim), torch.randn(length, heads, dim)
+    table = torch.tensor([[4, 1, 3]], dtype=torch.int32)
+    pos = torch.arange(length)
+    slots = table[0, pos // bs].long() * bs + pos % bs
+    ops = ReferenceOps()
+    ops.reshape_and_cache(k, v, view[0], view[1], slots)
+    for p in (0, 15, 16, 36):
+        blk, off = int(table[0, p // bs]), p % bs
+        assert torch.equal(cache[blk, :, off, :dim], k[p]) and torch.equal(cache[blk, :, off, dim:], v[p])
+    assert int((cache != 0).any(-1).sum()) == length * heads  # nothing else written
+    q = torch.randn(3, 4, dim)
+    out, lse = ops.paged_attention(q, view[0], view[1], table, torch.tensor([0, 3]),
+                                   torch.tensor([length]), scale=dim ** -0.5)
+    ref_out, ref_lse = dense_attention(q, k, v, torch.full((3,), length - 1), dim ** -0.5)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+
+
+# -- below the PCP boundary ------------------------------------------------------------------------
+def test_pcp_metadata_from_vllm_shaped_batch():
+    """What a PCP-capable vLLM would need from us: per-rank split of a vLLM batch and the full
+    (kv_shard="dcp", dcp=1) slot mapping on every PCP rank, equal to vLLM's formula."""
+    computed, new = [30, 0, 63, 50], [1, 21, 37, 1]  # decode, prefill, chunked prefill, decode
+    cm, _ = vllm_batch(computed, new, block_size=16)
+    config = CPConfig(pcp_size=2, tp_size=1, block_size=16, kv_shard="dcp")
+    seen = np.zeros(int(sum(new)), dtype=int)
+    cu = np.concatenate([[0], np.cumsum(new)])
+    for rank in range(2):
+        vstep, meta = build(cm, config, CPRanks(rank, 0, 0))
+        rows = meta.local_token_idx[:meta.num_actual_tokens].numpy()
+        assert rows[:meta.num_decode_tokens].tolist() == [0, 59]  # decodes on every rank, first
+        np.add.at(seen, rows[meta.num_decode_tokens:][rows[meta.num_decode_tokens:] >= 0], 1)
+        # step rows: decodes, then each prefill's padded tokens in order (pads: -1)
+        split, step_tokens = meta.pcp, [0, 59]
+        for req, chunk in zip(meta.prefill_reqs, split.chunk_lens):
+            padded = np.arange(2 * config.pcp_size * chunk)
+            step_tokens += np.where(padded < new[req], cu[req] + padded, -1).tolist()
+        step_tokens = np.asarray(step_tokens)
+        expected = np.full(len(step_tokens), -1)
+        expected[step_tokens >= 0] = cm.slot_mapping.numpy()[step_tokens[step_tokens >= 0]]
+        np.testing.assert_array_equal(meta.step_slot_mapping.numpy(), expected)
+        with pytest.raises(ValueError, match="pcp_size > 1"):
+            row_order(meta, vstep.num_tokens)  # PCP rows are not a permutation of vLLM's
+    prefill_tokens = np.arange(1, 59)
+    assert (seen[prefill_tokens] == 1).all()  # each prefill token on exactly one PCP rank

@@ -1,0 +1,50 @@
+"""A tiny Llama checkpoint with random O(1) weights (dummy weights give flat logits)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 256,
+    "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "float32",
+    "bos_token_id": 1, "eos_token_id": 2,
+}
+
+
+def make_tiny_llama(directory: Path, seed: int = 1234) -> Path:
+    """Write config.json + model.safetensors (fixed seed) into ``directory``; returns it."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(CONFIG, indent=1))
+    gen = torch.Generator().manual_seed(seed)
+    hidden, inter, vocab = CONFIG["hidden_size"], CONFIG["intermediate_size"], CONFIG["vocab_size"]
+    heads, kv_heads, dim = (CONFIG["num_attention_heads"], CONFIG["num_key_value_heads"],
+                            CONFIG["head_dim"])
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * scale).contiguous()
+
+    weights = {"model.embed_tokens.weight": rand(vocab, hidden),
+               "model.norm.weight": torch.ones(hidden),
+               "lm_head.weight": rand(vocab, hidden, scale=0.5)}
+    for layer in range(CONFIG["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        weights.update({
+            p + "self_attn.q_proj.weight": rand(heads * dim, hidden, scale=0.6),
+            p + "self_attn.k_proj.weight": rand(kv_heads * dim, hidden, scale=0.6),
+            p + "self_attn.v_proj.weight": rand(kv_heads * dim, hidden, scale=0.3),
+            p + "self_attn.o_proj.weight": rand(hidden, heads * dim, scale=0.1),
+            p + "mlp.gate_proj.weight": rand(inter, hidden, scale=0.1),
+            p + "mlp.up_proj.weight": rand(inter, hidden, scale=0.1),
+            p + "mlp.down_proj.weight": rand(hidden, inter, scale=0.1),
+            p + "input_layernorm.weight": torch.ones(hidden),
+            p + "post_attention_layernorm.weight": torch.ones(hidden),
+        })
+    save_file(weights, str(directory / "model.safetensors"))
+    return directory
