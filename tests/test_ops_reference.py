@@ -152,8 +152,8 @@ def test_reshape_and_cache_into_strided_view_and_range_check():
     OPS.reshape_and_cache(key, value, key_view, value_view, torch.tensor([5, -1, 11]))
     assert torch.equal(packed[1, :, 1, :8], key[0]) and torch.equal(packed[2, :, 3, 8:], value[2])
     untouched = packed.clone()
-    untouched[1, :, 1, :8] = 0
-    untouched[2, :, 3, 8:] = 0
+    untouched[1, :, 1] = 0  # slot 5: key and value halves
+    untouched[2, :, 3] = 0  # slot 11
     assert (untouched == 0).all()  # nothing else written
     with pytest.raises(ValueError, match=r"slot 12 outside \[-1, 12\)"):
         OPS.reshape_and_cache(key, value, key_view, value_view, torch.tensor([12, -1, 0]))
