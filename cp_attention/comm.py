@@ -48,17 +48,28 @@ class Communicator:
     def all_gather(self, tensor: torch.Tensor, group: dist.ProcessGroup | None,
                    dim: int = 0) -> torch.Tensor:
         """Concatenate equal-shaped tensors of all ranks along ``dim`` (rank-major)."""
+        out, work = self.all_gather_async(tensor, group)
+        if work is None:
+            return out
+        work.wait()
+        if dim != 0:
+            out = torch.cat(out.chunk(group_size(group), dim=0), dim=dim)
+        return out
+
+    def all_gather_async(self, tensor: torch.Tensor, group: dist.ProcessGroup | None
+                         ) -> tuple[torch.Tensor, "dist.Work | None"]:
+        """Start a rank-major all-gather along dim 0; returns (output, work to wait on).
+
+        The output must not be read before ``work.wait()`` (work is None for one rank).
+        """
         world = group_size(group)
         if world == 1:
-            return tensor
+            return tensor, None
         tensor = tensor.contiguous()
         out = torch.empty((world * tensor.shape[0],) + tensor.shape[1:], dtype=tensor.dtype,
                           device=tensor.device)
         self._count("all_gather", tensor.numel() * tensor.element_size() * (world - 1))
-        _all_gather_tensor(out, tensor, group=group)
-        if dim != 0:
-            out = torch.cat(out.chunk(world, dim=0), dim=dim)
-        return out
+        return out, _all_gather_tensor(out, tensor, group=group, async_op=True)
 
     def reduce_scatter(self, tensor: torch.Tensor, group: dist.ProcessGroup | None,
                        dim: int = 0) -> torch.Tensor:

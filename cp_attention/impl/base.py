@@ -100,10 +100,16 @@ class BaseAttentionImpl:
         validate_forward_inputs(self, query, key, value, kv_cache, meta, output)
 
     # -- hooks (identity on one device) ------------------------------------------------
-    def _step_kv(self, key: torch.Tensor, value: torch.Tensor, meta: AttentionMetadata
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of the step rows (all new tokens of the step, restored)."""
+    def _step_kv(self, key: torch.Tensor, value: torch.Tensor, meta: AttentionMetadata):
+        """Start producing the K/V of the step rows (all new tokens of the step, restored).
+
+        Returns a handle for :meth:`_wait_step_kv`; on one device the K/V themselves.
+        """
         return key, value
+
+    def _wait_step_kv(self, handle) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step rows' K/V [step rows, Hkv, D] of a :meth:`_step_kv` handle."""
+        return handle
 
     def _context_queries(self, query: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Queries that attend this rank's cached context: [context rows, heads, D]."""
@@ -114,8 +120,9 @@ class BaseAttentionImpl:
         """Partials over this rank's context -> full context attention of the local rows."""
         return out, lse
 
-    def _prefill_self_attention(self, q, step_k, step_v, meta):
-        """Local prefill rows over the step's prefill tokens."""
+    def _prefill_self_attention(self, q, k, v, step_kv, meta):
+        """Local prefill rows over the step's prefill tokens (``step_kv``: a _step_kv handle)."""
+        step_k, step_v = self._wait_step_kv(step_kv)
         start = meta.num_decode_tokens
         q_pre = q[start:]
         k_pre, v_pre = step_k[start:], step_v[start:]
@@ -146,12 +153,12 @@ class BaseAttentionImpl:
             k = k.masked_fill(pad_rows[:, None, None], 0)
             v = v.masked_fill(pad_rows[:, None, None], 0)
 
-        step_k, step_v = self._step_kv(k, v, meta)
+        step_kv = self._step_kv(k, v, meta)  # CP: an all-gather, overlapped with attention
+        out, lse = self._self_attention(q, k, v, step_kv, meta)
         if kv_cache is not None and self.attn_type == "decoder":
+            step_k, step_v = self._wait_step_kv(step_kv)
             self.ops.reshape_and_cache(step_k, step_v, kv_cache[0], kv_cache[1],
                                        meta.step_slot_mapping.to(q.device))
-
-        out, lse = self._self_attention(q, k, v, step_k, step_v, meta)
         if meta.has_context and self.attn_type == "decoder":
             q_ctx = self._context_queries(q, meta)
             ctx_out, ctx_lse = self.ops.paged_attention(
@@ -167,16 +174,16 @@ class BaseAttentionImpl:
         out_view[rows:] = 0
         return output
 
-    def _self_attention(self, q, k, v, step_k, step_v, meta):
+    def _self_attention(self, q, k, v, step_kv, meta):
         """Attention of every local row over the step's own new tokens."""
         num_dec = meta.num_decode_tokens
         rows = q.shape[0]
         if num_dec == rows:
             return self._decode_self_attention(q, k, v, meta)
         if num_dec == 0:
-            return self._prefill_self_attention(q, step_k, step_v, meta)
+            return self._prefill_self_attention(q, k, v, step_kv, meta)
         dec_out, dec_lse = self._decode_self_attention(q[:num_dec], k[:num_dec], v[:num_dec], meta)
-        pre_out, pre_lse = self._prefill_self_attention(q, step_k, step_v, meta)
+        pre_out, pre_lse = self._prefill_self_attention(q, k, v, step_kv, meta)
         return torch.cat([dec_out, pre_out]), torch.cat([dec_lse, pre_lse])
 
     def _decode_self_attention(self, q, k, v, meta):

@@ -48,24 +48,40 @@ class CPAttentionImpl(BaseAttentionImpl):
         if meta.pcp is None or meta.pcp.num_local_rows == 0:
             return key, value
         nd = meta.num_decode_tokens
-        kv = self._gather_prefill_rows(torch.stack([key[nd:], value[nd:]], dim=1), meta)
-        return torch.cat([key[:nd], kv[:, 0]]), torch.cat([value[:nd], kv[:, 1]])
+        local = torch.stack([key[nd:], value[nd:]], dim=1)  # [Lp, 2, Hkv, D]
+        gathered, work = self.comm.all_gather_async(local, self.groups.pcp_group)
+        return _PendingStepKV(key[:nd], value[:nd], gathered, work,
+                              meta.pcp.pcp_allgather_restore_idx.to(key.device))
 
-    def _prefill_self_attention(self, q, step_k, step_v, meta):
+    def _wait_step_kv(self, handle):
+        return handle.wait() if isinstance(handle, _PendingStepKV) else handle
+
+    def _prefill_self_attention(self, q, k, v, step_kv, meta):
         split = meta.pcp
         if split is None or not self.causal:
-            return super()._prefill_self_attention(q, step_k, step_v, meta)
+            return super()._prefill_self_attention(q, k, v, step_kv, meta)
         nd = meta.num_decode_tokens
-        q_pre, k_pre, v_pre = q[nd:], step_k[nd:], step_v[nd:]
+        q_pre = q[nd:]
         device = q.device
         cu_q = _cumsum0(split.attn_mask_seqlens[0])
+        diagonals = []
+        if self.sliding_window is None:
+            # The causal diagonal of each chunk needs only this rank's rows: compute both while
+            # the all-gather of the other ranks' K/V is in flight.
+            for q_idx in (split.q_head_idx.to(device), split.q_tail_idx.to(device)):
+                rows = nd + q_idx
+                diagonals.append(self.ops.varlen_attention(
+                    q[rows], k[rows], v[rows], cu_q, cu_q, scale=self.scale, causal=True))
+        step_k, step_v = self._wait_step_kv(step_kv)
+        k_pre, v_pre = step_k[nd:], step_v[nd:]
         parts = []
-        for q_idx, nomask_idx, mask_idx, full_idx, nomask_lens, chunk in (
-                (split.q_head_idx, split.kv_with_q_head_nomask_idx, split.kv_with_q_head_mask_idx,
-                 split.kv_with_q_head_idx, split.head_attn_nomask_seqlens, split.pcp_rank),
-                (split.q_tail_idx, split.kv_with_q_tail_nomask_idx, split.kv_with_q_tail_mask_idx,
-                 split.kv_with_q_tail_idx, split.tail_attn_nomask_seqlens,
-                 2 * split.pcp_size - 1 - split.pcp_rank)):
+        # Each chunk: keys before it (unmasked) merged with its causal diagonal; with a sliding
+        # window, one bottom-right causal call over both.
+        for q_idx, nomask_idx, full_idx, nomask_lens, chunk in (
+                (split.q_head_idx, split.kv_with_q_head_nomask_idx, split.kv_with_q_head_idx,
+                 split.head_attn_nomask_seqlens, split.pcp_rank),
+                (split.q_tail_idx, split.kv_with_q_tail_nomask_idx, split.kv_with_q_tail_idx,
+                 split.tail_attn_nomask_seqlens, 2 * split.pcp_size - 1 - split.pcp_rank)):
             q_part = q_pre[q_idx.to(device)]
             if self.sliding_window is not None:
                 full_idx = full_idx.to(device)
@@ -74,16 +90,15 @@ class CPAttentionImpl(BaseAttentionImpl):
                     q_part, k_pre[full_idx], v_pre[full_idx], cu_q, cu_k, scale=self.scale,
                     causal=True, window=self.sliding_window))
                 continue
-            mask_idx, nomask_idx = mask_idx.to(device), nomask_idx.to(device)
-            diag = self.ops.varlen_attention(q_part, k_pre[mask_idx], v_pre[mask_idx], cu_q, cu_q,
-                                             scale=self.scale, causal=True)
+            nomask_idx = nomask_idx.to(device)
             before = self.ops.varlen_attention(q_part, k_pre[nomask_idx], v_pre[nomask_idx], cu_q,
                                                _cumsum0(nomask_lens[1]), scale=self.scale,
                                                causal=False)
-            parts.append(self.ops.merge_attn_states(*before, *diag))
-        order = split.q_full_idx.to(device)
-        out = torch.cat([parts[0][0], parts[1][0]])[order]
-        lse = torch.cat([parts[0][1], parts[1][1]])[order]
+            parts.append(self.ops.merge_attn_states(*before, *diagonals[len(parts)]))
+        out = parts[0][0].new_empty((q_pre.shape[0],) + parts[0][0].shape[1:])
+        lse = parts[0][1].new_empty((q_pre.shape[0],) + parts[0][1].shape[1:])
+        for q_idx, (part_out, part_lse) in zip((split.q_head_idx, split.q_tail_idx), parts):
+            out[q_idx.to(device)], lse[q_idx.to(device)] = part_out, part_lse
         return out, lse
 
     # -- cached context ------------------------------------------------------------------
@@ -115,6 +130,28 @@ class CPAttentionImpl(BaseAttentionImpl):
             received = self.comm.all_to_all(send, groups.pcp_group)
             out, lse = merge_many(received[..., :-1], received[..., -1])
         return out, lse
+
+
+class _PendingStepKV:
+    """Step K/V whose prefill rows are still being all-gathered over the PCP group."""
+
+    def __init__(self, decode_k, decode_v, gathered, work, restore_idx) -> None:
+        self._parts = (decode_k, decode_v, gathered, work, restore_idx)
+        self._result: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """[step rows, Hkv, D] keys and values: decode rows, then restored prefill rows."""
+        if self._result is None:
+            decode_k, decode_v, gathered, work, restore_idx = self._parts
+            if work is not None:
+                work.wait()
+            kv = gathered[restore_idx]
+            if decode_k.shape[0]:
+                self._result = (torch.cat([decode_k, kv[:, 0]]), torch.cat([decode_v, kv[:, 1]]))
+            else:  # prefill-only step: no copy
+                self._result = (kv[:, 0], kv[:, 1])
+            self._parts = None
+        return self._result
 
 
 def _cumsum0(lengths: torch.Tensor) -> torch.Tensor:
