@@ -18,8 +18,7 @@ from cp_attention.config import CPConfig, heads_of_rank
 from cp_attention.debug import StepMismatchError, assert_step_consistent, set_collective_timeout
 from cp_attention.metadata.common import StepSpec
 from cp_attention.parallel import CPGroups, CPRanks
-from cp_attention.testing.dense import dense_attention
-from cp_attention.testing.workload import DTYPES, Workload, allocate_blocks, make_tokens
+from cp_attention.testing.workload import DTYPES, Workload, allocate_blocks, make_tokens, rows_error
 
 
 def _sample(rows: np.ndarray, limit: int | None) -> np.ndarray:
@@ -94,13 +93,9 @@ def run_checked(w: Workload, rank: int = 0, groups: CPGroups | None = None,
                 mine = mine[np.isin(positions[mine] - spec.num_computed_tokens[i], offsets)]
             if len(mine) == 0:
                 continue
-            tq, tk, tv = tokens[r]
-            pos = torch.from_numpy(positions[mine])
             length = spec.num_computed_tokens[i] + spec.num_scheduled_tokens[i]
-            ref, _ = dense_attention(tq[pos][:, q_sel], tk[:length, kv_sel], tv[:length, kv_sel],
-                                     pos, w.scale, window=w.sliding_window)
-            err = (out[torch.from_numpy(mine)].double() - ref).abs().max().item()
-            result["max_err"] = max(result["max_err"], err)
+            result["max_err"] = max(result["max_err"], rows_error(
+                w, out, mine, positions, tokens[r], length, q_sel, kv_sel))
         for r, n in step:
             computed[r] += n
     return result

@@ -163,14 +163,9 @@ def run_workload(w: Workload, rank: int = 0, groups: CPGroups | None = None,
                 mine = np.nonzero(real & (slot == i))[0]
                 if len(mine) == 0:
                     continue
-                tq, tk, tv = tokens[r]
-                pos = torch.from_numpy(positions[mine])
                 length = spec.num_computed_tokens[i] + spec.num_scheduled_tokens[i]
-                ref, _ = dense_attention(tq[pos][:, q_sel], tk[:length, kv_sel], tv[:length, kv_sel],
-                                         pos, w.scale, causal=not w.encoder_only,
-                                         window=w.sliding_window)
-                err = (out[torch.from_numpy(mine)].double() - ref).abs().max().item()
-                step_err = max(step_err, err)
+                step_err = max(step_err, rows_error(w, out, mine, positions, tokens[r], length,
+                                                    q_sel, kv_sel))
             pad_rows = torch.from_numpy(~real)
             if bool((out[pad_rows] != 0).any()):
                 step_err = float("inf")  # pad rows must come back zero
@@ -184,6 +179,17 @@ def run_workload(w: Workload, rank: int = 0, groups: CPGroups | None = None,
             report.cache_exact = _cache_matches(w, cache, tokens, blocks, computed, ranks, kv_sel)
     report.comm_bytes = comm.total_bytes if comm is not None else 0
     return report
+
+
+def rows_error(w: Workload, out: torch.Tensor, rows: np.ndarray, positions: np.ndarray,
+               request_tokens: tuple[torch.Tensor, torch.Tensor, torch.Tensor], length: int,
+               q_sel: list[int], kv_sel: list[int]) -> float:
+    """Max |out - fp64 oracle| over ``rows`` (one request's rows at ``positions[rows]``)."""
+    tq, tk, tv = request_tokens
+    pos = torch.from_numpy(positions[rows])
+    ref, _ = dense_attention(tq[pos][:, q_sel], tk[:length, kv_sel], tv[:length, kv_sel], pos,
+                             w.scale, causal=not w.encoder_only, window=w.sliding_window)
+    return (out[torch.from_numpy(rows)].double() - ref).abs().max().item()
 
 
 def _cache_matches(w, cache, tokens, blocks, computed, ranks, kv_sel) -> bool:
