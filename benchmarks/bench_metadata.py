@@ -22,11 +22,10 @@ import numpy as np
 import torch
 
 from benchmarks.common import new_figure, parse_args, save_figure, time_call, write_json
-from cp_attention.config import CPConfig
+from cp_attention.config import CPConfig, CPRanks
 from cp_attention.metadata.builder import CPMetadataBuilder, MetadataBuilder
 from cp_attention.metadata.common import StepSpec
 from cp_attention.metadata.kv_layout import blocks_needed
-from cp_attention.parallel import CPRanks
 
 NAME = "bench_metadata"
 CONFIGS = {"single": CPConfig(block_size=128),

@@ -27,10 +27,9 @@ import torch
 from benchmarks.common import (enable_torch_ring_cp_on_cpu, human_tokens, new_figure,
                                parse_args, save_figure, write_json)
 from cp_attention.backend import CPAttentionBackend
-from cp_attention.config import CPConfig
+from cp_attention.config import CPConfig, CPRanks
 from cp_attention.metadata.common import StepSpec
 from cp_attention.metadata.kv_layout import blocks_needed
-from cp_attention.parallel import CPRanks
 from cp_attention.testing.pool import RankPool
 
 NAME = "bench_speed"

@@ -1,11 +1,11 @@
 """cp_attention: context-parallel (PCP + DCP) attention for long-sequence LLM inference."""
 from cp_attention.backend import CPAttentionBackend
-from cp_attention.config import CPConfig, heads_of_rank
+from cp_attention.config import CPConfig, CPRanks, heads_of_rank
 from cp_attention.impl.base import AttentionLayerError, BaseAttentionImpl
 from cp_attention.impl.cp import CPAttentionImpl
 from cp_attention.metadata.builder import AttentionMetadata, CPMetadataBuilder, MetadataBuilder
 from cp_attention.metadata.common import AttentionState, StepSpec
-from cp_attention.parallel import CPGroups, CPRanks
+from cp_attention.parallel import CPGroups
 
 __all__ = [
     "AttentionLayerError", "AttentionMetadata", "AttentionState", "BaseAttentionImpl",

@@ -1,9 +1,26 @@
-"""CPConfig: the parallel sizes and KV-cache layout of a context-parallel deployment."""
+"""CPConfig and CPRanks: the parallel sizes, KV-cache layout and one rank's coordinates.
+
+Pure data (no process groups): the metadata planners depend on this module only.
+"""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
+import numpy as np
+
 KV_SHARD_POLICIES = ("cp", "dcp")
+DEBUG_ENV = "CP_ATTENTION_DEBUG"
+
+
+def is_int(value) -> bool:
+    """A Python or numpy integer (bools rejected)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def debug_checks_from_env() -> bool:
+    """Whether ``CP_ATTENTION_DEBUG`` asks for the O(n) value checks (set, and not "0")."""
+    return os.environ.get(DEBUG_ENV, "0") not in ("", "0")
 
 
 @dataclass(frozen=True)
@@ -91,6 +108,25 @@ class CPConfig:
                     f"dcp_size ({self.dcp_size}) needs each KV head replicated on a multiple of "
                     f"dcp_size TP ranks: tp_size // num_kv_heads = {self.tp_size} // {num_kv_heads}"
                     f" = {replicas} must be >= dcp_size and divisible by it")
+
+
+@dataclass(frozen=True)
+class CPRanks:
+    """This process's coordinates in a :class:`CPConfig` deployment (pure data)."""
+
+    pcp_rank: int = 0
+    tp_rank: int = 0
+    dcp_rank: int = 0
+
+    @classmethod
+    def of(cls, config: CPConfig, rank: int) -> "CPRanks":
+        """Coordinates of global ``rank`` (``rank = pcp_rank * tp_size + tp_rank``)."""
+        if not is_int(rank):
+            raise ValueError(f"rank must be an integer, got {rank!r}")
+        if not 0 <= rank < config.world_size:
+            raise ValueError(f"rank ({rank}) must be in [0, world_size={config.world_size})")
+        pcp_rank, tp_rank = divmod(int(rank), config.tp_size)
+        return cls(pcp_rank, tp_rank, tp_rank % config.dcp_size)
 
 
 def heads_of_rank(num_heads: int, num_kv_heads: int, tp_size: int, tp_rank: int

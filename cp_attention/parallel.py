@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from cp_attention.config import CPConfig
+from cp_attention.config import CPConfig, CPRanks
 
 _BACKEND_BY_DEVICE = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 
@@ -34,24 +34,6 @@ def detect_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device("cpu")
-
-
-@dataclass(frozen=True)
-class CPRanks:
-    """This process's coordinates; pure data, used by metadata planners."""
-
-    pcp_rank: int = 0
-    tp_rank: int = 0
-    dcp_rank: int = 0
-
-    @classmethod
-    def of(cls, config: CPConfig, rank: int) -> "CPRanks":
-        if not isinstance(rank, int) or isinstance(rank, bool):
-            raise ValueError(f"rank must be an integer, got {rank!r}")
-        if not 0 <= rank < config.world_size:
-            raise ValueError(f"rank ({rank}) must be in [0, world_size={config.world_size})")
-        pcp_rank, tp_rank = divmod(rank, config.tp_size)
-        return cls(pcp_rank, tp_rank, tp_rank % config.dcp_size)
 
 
 @dataclass

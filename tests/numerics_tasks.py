@@ -14,10 +14,10 @@ import numpy as np
 import torch
 
 from cp_attention.backend import CPAttentionBackend
-from cp_attention.config import CPConfig, heads_of_rank
+from cp_attention.config import CPConfig, CPRanks, heads_of_rank
 from cp_attention.debug import StepMismatchError, assert_step_consistent, set_collective_timeout
 from cp_attention.metadata.common import StepSpec
-from cp_attention.parallel import CPGroups, CPRanks
+from cp_attention.parallel import CPGroups
 from cp_attention.testing.workload import DTYPES, Workload, allocate_blocks, make_tokens, rows_error
 
 

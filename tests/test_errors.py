@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from cp_attention import validation as V
 from cp_attention.backend import CPAttentionBackend
-from cp_attention.config import CPConfig
+from cp_attention.config import CPConfig, CPRanks
 from cp_attention.impl.base import AttentionLayerError, BaseAttentionImpl
 from cp_attention.impl.cp import CPAttentionImpl
 from cp_attention.metadata.builder import CPMetadataBuilder, MetadataBuilder
@@ -26,7 +26,7 @@ from cp_attention.metadata.common import StepSpec
 from cp_attention.metadata.pcp import plan_pcp_split
 from cp_attention.ops import ReferenceOps, get_ops
 from cp_attention.ops.reference import attend_dense
-from cp_attention.parallel import CPGroups, CPRanks, backend_for_device
+from cp_attention.parallel import CPGroups, backend_for_device
 from cp_attention.testing.pool import free_port
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "errors.md"

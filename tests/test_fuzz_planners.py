@@ -11,10 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cp_attention.backend import CPAttentionBackend
-from cp_attention.config import CPConfig
+from cp_attention.config import CPConfig, CPRanks
 from cp_attention.metadata.common import StepSpec
 from cp_attention.metadata.kv_layout import blocks_needed
-from cp_attention.parallel import CPRanks
 from cp_attention.validation import StepError, validate_rank_plans
 
 SETTINGS = dict(derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))

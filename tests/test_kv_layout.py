@@ -11,12 +11,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cp_attention.config import CPConfig
+from cp_attention.config import CPConfig, CPRanks
 from cp_attention.metadata.builder import CPMetadataBuilder
 from cp_attention.metadata.common import StepSpec
 from cp_attention.metadata.kv_layout import (blocks_needed, kv_owner, local_count, local_kv_lens,
                                              local_position, slot_mapping)
-from cp_attention.parallel import CPRanks
 
 SETTINGS = settings(derandomize=True, deadline=None, max_examples=150)
 WORLDS = st.integers(1, 8)

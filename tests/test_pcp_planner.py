@@ -16,11 +16,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cp_attention.config import CPConfig
+from cp_attention.config import CPConfig, CPRanks
 from cp_attention.metadata.builder import AttentionMetadata, CPMetadataBuilder
 from cp_attention.metadata.common import StepSpec
 from cp_attention.metadata.pcp import plan_pcp_split
-from cp_attention.parallel import CPRanks
 
 PCP_SIZES = (2, 3, 4, 8)
 SETTINGS = dict(derandomize=True, deadline=None, max_examples=60)

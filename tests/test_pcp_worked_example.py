@@ -8,10 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cp_attention.config import CPConfig
+from cp_attention.config import CPConfig, CPRanks
 from cp_attention.metadata.builder import CPMetadataBuilder
 from cp_attention.metadata.common import AttentionState, StepSpec
-from cp_attention.parallel import CPRanks
 
 # Request 0 (5 tokens, global tokens 0..4): c = ceil(5/4) = 2, padded to 8 rows.
 # Request 1 (8 tokens, global tokens 5..12): c = 2, no pad.

@@ -17,12 +17,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cp_attention.config import CPConfig
+from cp_attention.config import CPConfig, CPRanks
 from cp_attention.metadata.common import (AttentionState, StepSpec, classify_state, cumsum0,
                                           decode_mask, ranges_concat)
 from cp_attention.metadata.kv_layout import blocks_needed, local_count, slot_mapping
 from cp_attention.metadata.pcp import PCPSplit, plan_pcp_split
-from cp_attention.parallel import CPRanks
 
 
 def _t(array: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:

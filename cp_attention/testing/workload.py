@@ -15,10 +15,10 @@ import numpy as np
 import torch
 
 from cp_attention.backend import CPAttentionBackend
-from cp_attention.config import CPConfig, heads_of_rank
+from cp_attention.config import CPConfig, CPRanks, heads_of_rank
 from cp_attention.metadata.common import StepSpec
 from cp_attention.metadata.kv_layout import blocks_needed, kv_owner, local_position
-from cp_attention.parallel import CPGroups, CPRanks
+from cp_attention.parallel import CPGroups
 from cp_attention.testing.dense import dense_attention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from cp_attention.config import CPConfig
+from cp_attention.config import CPConfig, CPRanks
 from cp_attention.integrations import vllm as plugin
 from cp_attention.integrations.vllm.adapter import (SlotMappingMismatch, check_slot_mapping,
                                                     cp_config_from_vllm, row_order,
@@ -22,7 +22,6 @@ from cp_attention.integrations.vllm.slot_mapping import (cp_slot_mapping,
 from cp_attention.metadata.builder import CPMetadataBuilder, MetadataBuilder
 from cp_attention.metadata.kv_layout import slot_mapping as our_slot_mapping
 from cp_attention.ops import ReferenceOps
-from cp_attention.parallel import CPRanks
 from cp_attention.testing.dense import dense_attention
 
 pytestmark = pytest.mark.vllm

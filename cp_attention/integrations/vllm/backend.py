@@ -23,12 +23,12 @@ from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, Att
 from vllm.v1.kv_cache_interface import KVCacheLayout
 
 from cp_attention.backend import CPAttentionBackend
-from cp_attention.config import CPConfig
+from cp_attention.config import CPConfig, CPRanks
 from cp_attention.integrations.vllm import LOGGER_NAME
 from cp_attention.integrations.vllm.adapter import (check_slot_mapping, cp_config_from_vllm,
                                                     row_order, step_from_vllm)
 from cp_attention.metadata.builder import AttentionMetadata
-from cp_attention.parallel import CPGroups, CPRanks
+from cp_attention.parallel import CPGroups
 
 log = logging.getLogger(LOGGER_NAME)
 ENV_FAULT = "CP_ATTENTION_VLLM_FAULT"  # test-only fault injection (negative control)
