@@ -4,7 +4,7 @@ Usage: PYTHONPATH=. python benchmarks/fuzz_nightly.py --examples 10000 [--seed 0
 Each example draws a config (pcp 1..8, dcp 1/2/4, block size, interleave, kv_shard,
 spec-decode threshold), a batch of decodes / prefills / chunked prefills and an optional
 sliding window, builds the metadata of every (pcp_rank, dcp_rank) and checks
-:func:`cp_attention.validation.validate_rank_plans`. Prints a summary; exit status 1 on any
+:func:`cp_attention.metadata.checks.validate_rank_plans`. Prints a summary; exit status 1 on any
 failure (each failure is printed with the example seed that reproduces it).
 """
 from __future__ import annotations

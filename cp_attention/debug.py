@@ -14,13 +14,10 @@ import torch
 import torch.distributed as dist
 
 from cp_attention.comm import Communicator
+from cp_attention.errors import StepMismatchError
 from cp_attention.metadata.common import StepSpec
 
 FIELDS = ("num_computed_tokens", "num_scheduled_tokens", "block_table")
-
-
-class StepMismatchError(RuntimeError):
-    """Ranks of one group hold different steps."""
 
 
 def _digest(data: bytes) -> int:

@@ -1,12 +1,18 @@
-"""Shared fixtures: gloo rank pools (spawned once per test session and size)."""
+"""Shared fixtures: gloo rank pools (spawned once per test session and size).
+
+The suite runs with ``CP_ATTENTION_DEBUG=1``: every impl it builds (in this process and in
+the spawned ranks, which inherit the environment) also runs the O(n) value checks.
+"""
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 
 from cp_attention.testing.pool import RankPool
 
+os.environ["CP_ATTENTION_DEBUG"] = "1"
 _POOLS: dict[int, RankPool] = {}
 
 # The vLLM tier runs in its own venv (.ci/run_vllm); without vLLM it is not collected at all.

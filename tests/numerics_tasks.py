@@ -15,7 +15,8 @@ import torch
 
 from cp_attention.backend import CPAttentionBackend
 from cp_attention.config import CPConfig, CPRanks, heads_of_rank
-from cp_attention.debug import StepMismatchError, assert_step_consistent, set_collective_timeout
+from cp_attention.debug import assert_step_consistent, set_collective_timeout
+from cp_attention.errors import StepMismatchError
 from cp_attention.metadata.common import StepSpec
 from cp_attention.parallel import CPGroups
 from cp_attention.testing.workload import DTYPES, Workload, allocate_blocks, make_tokens, rows_error

@@ -1,9 +1,11 @@
 """Every public entry point rejects bad input with a typed error naming the field and value.
 
-``CASES`` is the table of docs/errors.md (entry point, input, error type, message fragment);
-one test per row asserts the type and the fragment. Rows marked ``new`` call the checks of
-:mod:`cp_attention.validation` / :mod:`cp_attention.ops.checks` directly; the entry points
-call the same functions (docs/errors.md, "Where the checks are called").
+``CASES`` is the table of docs/errors.md (entry point, input, error type, message fragment,
+where the check runs); one test per row asserts the type and the fragment. ``where``:
+"entry point" (always on), "debug" (the O(n) checks of an impl built with ``debug=True``, as
+``CP_ATTENTION_DEBUG=1`` does for the whole suite), "check" (a check function of
+:mod:`cp_attention.metadata.checks` / :mod:`cp_attention.ops.checks` called directly; the entry
+points call the same functions, docs/errors.md "Where the checks are called").
 """
 from __future__ import annotations
 
@@ -16,15 +18,19 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cp_attention import validation as V
 from cp_attention.backend import CPAttentionBackend
 from cp_attention.config import CPConfig, CPRanks
-from cp_attention.impl.base import AttentionLayerError, BaseAttentionImpl
+from cp_attention.errors import AttentionLayerError, OpsInputError, StepError
+from cp_attention.impl.base import BaseAttentionImpl
 from cp_attention.impl.cp import CPAttentionImpl
 from cp_attention.metadata.builder import CPMetadataBuilder, MetadataBuilder
+from cp_attention.metadata.checks import validate_ranks, validate_step
 from cp_attention.metadata.common import StepSpec
 from cp_attention.metadata.pcp import plan_pcp_split
-from cp_attention.ops import ReferenceOps, get_ops
+from cp_attention.ops import CudaOps, NpuOps, ReferenceOps, get_ops
+from cp_attention.ops.checks import (validate_cu_seqlens, validate_kv_cache_shape_args,
+                                     validate_merge_inputs, validate_paged_inputs,
+                                     validate_slot_mapping, validate_varlen_inputs)
 from cp_attention.ops.reference import attend_dense
 from cp_attention.parallel import CPGroups, backend_for_device
 from cp_attention.testing.pool import free_port
@@ -40,7 +46,7 @@ class Case:
     error: type[BaseException]
     fragment: str  # a regular expression searched in the message
     call: Callable[[], object]
-    new: bool = False  # the row calls a validation function directly
+    where: str = "entry point"  # "entry point", "debug" (O(n), debug mode) or "check"
 
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -54,8 +60,8 @@ def single_meta(computed=(0,), scheduled=(4,), table=None, window=None, **kwargs
         step(computed, scheduled, table))
 
 
-def impl(**kwargs) -> BaseAttentionImpl:
-    return BaseAttentionImpl(num_heads=H, head_size=D, scale=D ** -0.5, **kwargs)
+def impl(debug: bool = False, **kwargs) -> BaseAttentionImpl:
+    return BaseAttentionImpl(num_heads=H, head_size=D, scale=D ** -0.5, debug=debug, **kwargs)
 
 
 def qkv(rows=4, dtype=torch.float32):
@@ -79,17 +85,17 @@ def forward(query=None, key=None, value=None, kv_cache="default", meta=None, lay
                                         **kwargs)
 
 
-def validate(query=None, key=None, value=None, kv_cache="default", meta=None, output="default",
-             the_impl=None, **kwargs):
-    q, k, v = qkv()
-    query = q if query is None else query
-    key = k if key is None else key
-    value = v if value is None else value
-    kv_cache = cache() if isinstance(kv_cache, str) else kv_cache
-    meta = single_meta() if meta is None else meta
-    output = torch.empty_like(query) if isinstance(output, str) else output
-    V.validate_forward_inputs(the_impl or impl(), query, key, value, kv_cache, meta, output,
-                              **kwargs)
+def debug_forward(**kwargs):
+    """``forward`` on an impl that runs the O(n) value checks."""
+    return forward(the_impl=impl(debug=True), **kwargs)
+
+
+def tampered_meta(**fields):
+    """Single-device metadata of a 4-token prompt with some fields replaced."""
+    meta = single_meta()
+    for name, value in fields.items():
+        setattr(meta, name, value)
+    return meta
 
 
 class Layer:
@@ -108,8 +114,15 @@ def pcp_meta(pcp_rank: int):
 
 
 def cp_impl(rank: int) -> CPAttentionImpl:
-    return CPAttentionImpl(num_heads=H, head_size=D, scale=1.0,
+    return CPAttentionImpl(num_heads=H, head_size=D, scale=1.0, debug=False,
                            groups=fake_groups(CPConfig(pcp_size=2), rank))
+
+
+def pcp_forward(impl_rank: int, meta_rank: int, **kwargs):
+    """``forward`` of 8 rows on a PCP impl (checks fail before any collective)."""
+    q, k, v = qkv(8)
+    return forward(query=q, key=k, value=v, the_impl=cp_impl(impl_rank), meta=pcp_meta(meta_rank),
+                   **kwargs)
 
 
 def create_groups_world_mismatch():
@@ -168,6 +181,8 @@ CASES: list[Case] = [
          lambda: CPRanks.of(CPConfig(pcp_size=2), -1)),
     Case("CPRanks.of", "rank=world_size", ValueError, r"rank \(2\) must be in \[0, world_size=2\)",
          lambda: CPRanks.of(CPConfig(pcp_size=2), 2)),
+    Case("CPRanks.of", "rank=1.5", ValueError, r"rank must be an integer, got 1\.5",
+         lambda: CPRanks.of(CPConfig(pcp_size=2), 1.5)),
     Case("CPGroups.single", "world_size=2", ValueError, r"single\(\) needs world_size 1, got 2",
          lambda: CPGroups.single(CPConfig(pcp_size=2))),
     Case("CPGroups.create", "world 1, config world 2", ValueError,
@@ -232,7 +247,7 @@ CASES: list[Case] = [
          r"dcp_size \(2\) > 1 needs one \(replicated\) KV head per rank",
          lambda: CPAttentionImpl(num_heads=H, head_size=D, scale=1.0,
                                  groups=fake_groups(CPConfig(tp_size=2, dcp_size=2)))),
-    # -- impl forward (BaseAttentionImpl._check_call) --------------------------------------
+    # -- impl forward: O(1) checks of every call (cp_attention.impl.checks) ---------------
     Case("impl.forward", "output=None", AttentionLayerError, r"output buffer is required",
          lambda: forward(output=None)),
     Case("impl.forward", "output_scale given", NotImplementedError,
@@ -243,15 +258,31 @@ CASES: list[Case] = [
     Case("impl.forward", "metadata window 8, layer None", AttentionLayerError,
          r"sliding_window=8 but this layer uses None", lambda: forward(meta=single_meta(window=8))),
     Case("impl.forward", "query 3 rows, metadata 4", AttentionLayerError,
-         r"query has 3 rows, metadata has 4", lambda: forward(query=torch.randn(3, H, D))),
+         r"query has 3 rows but the metadata was built for num_input_tokens=4",
+         lambda: forward(query=torch.randn(3, H, D))),
+    Case("impl.forward", "query 4 rows, num_input_tokens 6", AttentionLayerError,
+         r"query has 4 rows but the metadata was built for num_input_tokens=6",
+         lambda: forward(meta=MetadataBuilder().build(step(), num_input_tokens=6))),
+    Case("impl.forward", "key 3 rows, query 4", AttentionLayerError,
+         r"key has 3 rows but query has 4", lambda: forward(key=torch.randn(3, H, D))),
     Case("impl.forward", "key with 3 heads", AttentionLayerError,
          r"key rows hold 24 values, expected 2 heads x 8", lambda: forward(key=torch.randn(4, 3, D))),
+    Case("impl.forward", "output 4-D", AttentionLayerError,
+         r"output must be 2-D or 3-D, got shape \(4, 2, 8, 1\)",
+         lambda: forward(output=torch.zeros(4, H, D, 1))),
     Case("impl.forward", "value on device meta", AttentionLayerError,
          r"value is on meta, query on cpu",
          lambda: forward(value=torch.empty(4, H, D, device="meta"))),
     Case("impl.forward", "key float16, query float32", AttentionLayerError,
          r"dtypes must match floating dtypes, got torch.float32/torch.float16/torch.float32",
          lambda: forward(key=torch.randn(4, H, D, dtype=torch.float16))),
+    Case("impl.forward", "output int32", AttentionLayerError, r"output dtype torch.int32 is not one of",
+         lambda: forward(output=torch.zeros(4, H, D, dtype=torch.int32))),
+    Case("impl.forward", "output is query", AttentionLayerError, r"output must not alias query",
+         lambda: (lambda q: forward(query=q, output=q))(torch.randn(4, H, D))),
+    Case("impl.forward", "metadata of pcp_rank 0 on pcp_rank 1", AttentionLayerError,
+         r"metadata was built for pcp_rank=0, this rank is pcp_rank=1",
+         lambda: pcp_forward(impl_rank=1, meta_rank=0)),
     Case("impl.forward", "encoder_only with context", AttentionLayerError,
          r"encoder_only attention takes prefills without context",
          lambda: forward(the_impl=impl(attn_type="encoder_only"), kv_cache=None,
@@ -261,154 +292,160 @@ CASES: list[Case] = [
     Case("impl.forward", "kv_cache with 3 KV heads", AttentionLayerError,
          r"kv_cache shape \(2, 4, 16, 3, 8\) must be \(2, num_blocks, block_size, 2, 8\)",
          lambda: forward(kv_cache=torch.zeros(2, 4, BS, 3, D))),
+    Case("impl.forward", "kv_cache 4-D", AttentionLayerError, r"kv_cache shape \(2, 4, 16, 16\) must be",
+         lambda: forward(kv_cache=torch.zeros(2, 4, BS, H * D))),
     Case("impl.forward", "kv_cache float16, key float32", AttentionLayerError,
          r"kv_cache is torch.float16 on cpu, key is torch.float32",
          lambda: forward(kv_cache=cache(dtype=torch.float16))),
-    # -- ops and backend -------------------------------------------------------------------
+    Case("impl.forward", "kv_cache block_size 8, config 16", AttentionLayerError,
+         r"kv_cache block_size 8 != the config's block_size 16",
+         lambda: pcp_forward(impl_rank=0, meta_rank=0, kv_cache=cache(block_size=8))),
+    # -- impl forward: O(n) checks, debug mode -------------------------------------------
+    Case("impl.forward", "NaN in query", AttentionLayerError,
+         r"query holds NaN or inf in its first 4 rows",
+         lambda: debug_forward(query=torch.full((4, H, D), float("nan"))), "debug"),
+    Case("impl.forward", "slot beyond a 1-block kv_cache", AttentionLayerError,
+         r"slot_mapping holds slot 32 outside \[-1, 16\)",
+         lambda: debug_forward(kv_cache=cache(num_blocks=1),
+                               meta=single_meta(table=torch.tensor([[2]]))), "debug"),
+    Case("impl.forward", "slot written twice", AttentionLayerError,
+         r"slot_mapping writes slot 1 more than once",
+         lambda: debug_forward(meta=tampered_meta(step_slot_mapping=torch.tensor([0, 1, 1, 3]))),
+         "debug"),
+    Case("impl.forward", "context block beyond kv_cache", AttentionLayerError,
+         r"ctx_block_table holds block 7 outside the kv_cache's \[0, 4\)",
+         lambda: debug_forward(meta=single_meta((16,), (4,), torch.tensor([[7, 1]]))), "debug"),
+    Case("impl.forward", "decreasing prefill_cu_seqlens", AttentionLayerError,
+         r"metadata prefill_cu_seqlens decreases at index 2: 3 -> 2",
+         lambda: debug_forward(meta=tampered_meta(prefill_cu_seqlens=torch.tensor([0, 3, 2, 4]))),
+         "debug"),
+    # -- ops and backend: O(1) argument checks of every op call -------------------------
     Case("get_ops", "kind='bogus' on cuda", ValueError, r"ops kind must be .* got 'bogus'",
          lambda: get_ops("cuda", "bogus")),
     Case("attend_dense", "window with causal=False", ValueError,
          r"a sliding window requires causal attention",
          lambda: attend_dense(*qkv(), scale=1.0, causal=False, window=2)),
-    Case("ReferenceOps.reshape_and_cache", "slot 64 of 64", ValueError,
-         r"slot 64 outside \[-1, 64\)",
-         lambda: ReferenceOps().reshape_and_cache(*qkv()[1:], *cache(),
-                                                  torch.tensor([0, 1, 2, 64]))),
+    Case("ReferenceOps.varlen_attention", "window with causal=False", OpsInputError,
+         r"a sliding window requires causal attention",
+         lambda: ReferenceOps().varlen_attention(*qkv(), torch.tensor([0, 4]), torch.tensor([0, 4]),
+                                                 scale=1.0, causal=False, window=2)),
+    Case("CudaOps.varlen_attention", "3 q heads, 2 kv heads", OpsInputError,
+         r"q heads \(3\) must be a multiple of k heads \(2\)",
+         lambda: CudaOps(use_flash=False).varlen_attention(
+             torch.randn(4, 3, D), *qkv()[1:], torch.tensor([0, 4]), torch.tensor([0, 4]),
+             scale=1.0, causal=True)),
+    Case("NpuOps.varlen_attention", "2 query requests, 1 key request", OpsInputError,
+         r"cu_seqlens_q has 2 requests but cu_seqlens_k has 1",
+         lambda: NpuOps(kernel_dtypes=None).varlen_attention(
+             *qkv(), torch.tensor([0, 2, 4]), torch.tensor([0, 4]), scale=1.0, causal=True)),
+    Case("ReferenceOps.paged_attention", "float block_table", OpsInputError,
+         r"block_table must be a 2-D integer tensor",
+         lambda: ReferenceOps().paged_attention(qkv()[0], *cache(), torch.zeros(1, 1),
+                                                torch.tensor([0, 4]), torch.tensor([3]), scale=1.0)),
+    Case("NpuOps.paged_attention", "2 seq_lens, 1 table row", OpsInputError,
+         r"block_table has 1 rows, cu_seqlens_q 1 requests, seq_lens 2",
+         lambda: NpuOps(kernel_dtypes=None).paged_attention(
+             qkv()[0], *cache(), torch.tensor([[0]]), torch.tensor([0, 4]), torch.tensor([1, 1]),
+             scale=1.0)),
+    Case("ReferenceOps.reshape_and_cache", "3 slots for 4 rows", OpsInputError,
+         r"slot_mapping has 3 entries for 4 key rows",
+         lambda: ReferenceOps().reshape_and_cache(*qkv()[1:], *cache(), torch.tensor([0, 1, 2]))),
+    Case("CudaOps.reshape_and_cache", "float slots", OpsInputError,
+         r"slot_mapping must be a 1-D integer tensor",
+         lambda: CudaOps(use_flash=False).reshape_and_cache(*qkv()[1:], *cache(), torch.zeros(4))),
     Case("CPAttentionBackend.get_kv_cache_shape", "num_blocks=0", ValueError,
          r"num_blocks must be an integer >= 1, got 0", lambda: CPAttentionBackend.get_kv_cache_shape(0, 16, 1, 8)),
     Case("CPAttentionBackend.get_kv_cache_shape", "head_size=-1", ValueError,
          r"head_size must be an integer >= 1, got -1", lambda: CPAttentionBackend.get_kv_cache_shape(1, 16, 1, -1)),
-    # == new checks (cp_attention.validation) ==============================================
-    Case("validate_rank", "rank=1.5", V.StepError, r"rank must be an integer, got 1\.5",
-         lambda: V.validate_rank(CPConfig(pcp_size=2), 1.5), True),
-    Case("validate_rank", "rank=2 of 2", V.StepError, r"rank \(2\) must be in \[0, world_size=2\)",
-         lambda: V.validate_rank(CPConfig(pcp_size=2), 2), True),
-    Case("validate_ranks", "dcp_rank != tp_rank % dcp_size", V.StepError,
+    # == check functions called directly ==================================================
+    Case("validate_ranks", "dcp_rank != tp_rank % dcp_size", StepError,
          r"dcp_rank \(0\) must equal tp_rank % dcp_size = 1 % 2 = 1",
-         lambda: V.validate_ranks(CPConfig(tp_size=2, dcp_size=2), CPRanks(0, 1, 0)), True),
-    Case("validate_ranks", "tp_rank=2 of 2", V.StepError, r"tp_rank \(2\) must be an integer in \[0, 2\)",
-         lambda: V.validate_ranks(CPConfig(tp_size=2), CPRanks(0, 2, 0)), True),
-    Case("validate_step", "block table too short", V.StepError,
+         lambda: validate_ranks(CPConfig(tp_size=2, dcp_size=2), CPRanks(0, 1, 0)), "check"),
+    Case("validate_ranks", "tp_rank=2 of 2", StepError, r"tp_rank \(2\) must be an integer in \[0, 2\)",
+         lambda: validate_ranks(CPConfig(tp_size=2), CPRanks(0, 2, 0)), "check"),
+    Case("validate_step", "block table too short", StepError,
          r"block_table\[0\] has 1 blocks but request 0 needs 2 for 33 tokens \(32 per block\)",
-         lambda: V.validate_step(step((0,), (33,)), CPConfig(pcp_size=2)), True),
-    Case("validate_step", "negative block id", V.StepError,
+         lambda: validate_step(step((0,), (33,)), CPConfig(pcp_size=2)), "check"),
+    Case("validate_step", "negative block id", StepError,
          r"block_table\[0, 0\] = -3 is a negative block id",
-         lambda: V.validate_step(step(table=torch.tensor([[-3]])), CPConfig()), True),
-    Case("validate_step", "block id >= num_blocks", V.StepError,
+         lambda: validate_step(step(table=torch.tensor([[-3]])), CPConfig()), "check"),
+    Case("validate_step", "block id >= num_blocks", StepError,
          r"block_table\[1, 1\] = 9 is outside \[0, num_blocks=8\)",
-         lambda: V.validate_step(step((0, 16), (1, 1), torch.tensor([[0, 0], [1, 9]])),
-                                 CPConfig(), num_blocks=8), True),
-    Case("validate_step", "num_blocks=0", V.StepError, r"num_blocks must be an integer >= 1, got 0",
-         lambda: V.validate_step(step(), CPConfig(), num_blocks=0), True),
-    Case("validate_step", "block listed twice in a request", V.StepError,
+         lambda: validate_step(step((0, 16), (1, 1), torch.tensor([[0, 0], [1, 9]])),
+                               CPConfig(), num_blocks=8), "check"),
+    Case("validate_step", "num_blocks=0", StepError, r"num_blocks must be an integer >= 1, got 0",
+         lambda: validate_step(step(), CPConfig(), num_blocks=0), "check"),
+    Case("validate_step", "block listed twice in a request", StepError,
          r"block_table\[0\] lists block 5 twice",
-         lambda: V.validate_step(step((16,), (1,), torch.tensor([[5, 5]])), CPConfig()), True),
-    Case("validate_step", "block written by two requests", V.StepError,
+         lambda: validate_step(step((16,), (1,), torch.tensor([[5, 5]])), CPConfig()), "check"),
+    Case("validate_step", "block written by two requests", StepError,
          r"block 1 is written by request 0 and also used by request 1",
-         lambda: V.validate_step(step((16, 0), (1, 20), TWO_REQ_TABLE), CPConfig()), True),
-    Case("validate_forward_inputs", "key 3 rows, query 4", AttentionLayerError,
-         r"key has 3 rows but query has 4", lambda: validate(key=torch.randn(3, H, D)), True),
-    Case("validate_forward_inputs", "query 4 rows, num_input_tokens 6", AttentionLayerError,
-         r"query has 4 rows but the metadata was built for num_input_tokens=6",
-         lambda: validate(meta=MetadataBuilder().build(step(), num_input_tokens=6)), True),
-    Case("validate_forward_inputs", "output int32", AttentionLayerError,
-         r"output dtype torch.int32 is not one of",
-         lambda: validate(output=torch.zeros(4, H, D, dtype=torch.int32)), True),
-    Case("validate_forward_inputs", "output 4-D", AttentionLayerError,
-         r"output must be 2-D or 3-D, got shape \(4, 2, 8, 1\)",
-         lambda: validate(output=torch.zeros(4, H, D, 1)), True),
-    Case("validate_forward_inputs", "output is query", AttentionLayerError,
-         r"output must not alias query", lambda: (lambda q: validate(query=q, output=q))(
-             torch.randn(4, H, D)), True),
-    Case("validate_forward_inputs", "NaN in query (check_finite)", AttentionLayerError,
-         r"query holds NaN or inf in its first 4 rows",
-         lambda: validate(query=torch.full((4, H, D), float("nan")), check_finite=True), True),
-    Case("validate_forward_inputs", "metadata of pcp_rank 0 on pcp_rank 1", AttentionLayerError,
-         r"metadata was built for pcp_rank=0, this rank is pcp_rank=1",
-         lambda: validate(the_impl=cp_impl(1), meta=pcp_meta(0), query=torch.randn(8, H, D),
-                          key=torch.randn(8, H, D), value=torch.randn(8, H, D)), True),
-    Case("validate_forward_inputs", "kv_cache block_size 8, metadata 16", AttentionLayerError,
-         r"kv_cache block_size 8 != the metadata's block_size 16",
-         lambda: validate(kv_cache=cache(block_size=8), block_size=16), True),
-    Case("validate_forward_inputs", "slot beyond a 1-block kv_cache", AttentionLayerError,
-         r"slot_mapping holds slot 32 outside \[-1, 16\)",
-         lambda: validate(kv_cache=cache(num_blocks=1),
-                          meta=single_meta(table=torch.tensor([[2]]))), True),
-    Case("validate_forward_inputs", "context block beyond kv_cache", AttentionLayerError,
-         r"ctx_block_table holds block 7 outside the kv_cache's \[0, 4\)",
-         lambda: validate(meta=single_meta((16,), (4,), torch.tensor([[7, 1]]))), True),
-    Case("validate_forward_inputs", "kv_cache 4-D", AttentionLayerError,
-         r"kv_cache shape \(2, 4, 16, 16\) must be",
-         lambda: validate(kv_cache=torch.zeros(2, 4, BS, H * D)), True),
-    Case("validate_slot_mapping", "slot -2", V.OpsInputError, r"slot -2 outside \[-1, 64\)",
-         lambda: V.validate_slot_mapping(torch.tensor([0, -2]), 64), True),
-    Case("validate_slot_mapping", "slot 64 of 64", V.OpsInputError, r"slot 64 outside \[-1, 64\)",
-         lambda: V.validate_slot_mapping(torch.tensor([64]), 64), True),
-    Case("validate_slot_mapping", "slot 3 twice", V.OpsInputError, r"writes slot 3 more than once",
-         lambda: V.validate_slot_mapping(torch.tensor([3, -1, 3]), 64), True),
-    Case("validate_slot_mapping", "3 slots for 4 rows", V.OpsInputError,
+         lambda: validate_step(step((16, 0), (1, 20), TWO_REQ_TABLE), CPConfig()), "check"),
+    Case("validate_slot_mapping", "slot -2", OpsInputError, r"slot -2 outside \[-1, 64\)",
+         lambda: validate_slot_mapping(torch.tensor([0, -2]), 64), "check"),
+    Case("validate_slot_mapping", "slot 64 of 64", OpsInputError, r"slot 64 outside \[-1, 64\)",
+         lambda: validate_slot_mapping(torch.tensor([64]), 64), "check"),
+    Case("validate_slot_mapping", "slot 3 twice", OpsInputError, r"writes slot 3 more than once",
+         lambda: validate_slot_mapping(torch.tensor([3, -1, 3]), 64), "check"),
+    Case("validate_slot_mapping", "3 slots for 4 rows", OpsInputError,
          r"slot_mapping has 3 entries for 4 key rows",
-         lambda: V.validate_slot_mapping(torch.tensor([0, 1, 2]), 64, num_rows=4), True),
-    Case("validate_slot_mapping", "float slots", V.OpsInputError,
+         lambda: validate_slot_mapping(torch.tensor([0, 1, 2]), 64, num_rows=4), "check"),
+    Case("validate_slot_mapping", "float slots", OpsInputError,
          r"slot_mapping must be a 1-D integer tensor",
-         lambda: V.validate_slot_mapping(torch.zeros(2), 64), True),
-    Case("validate_cu_seqlens", "cu[0] = 1", V.OpsInputError, r"cu_seqlens\[0\] = 1 must be 0",
-         lambda: V.validate_cu_seqlens(torch.tensor([1, 4]), 4), True),
-    Case("validate_cu_seqlens", "decreasing", V.OpsInputError,
+         lambda: validate_slot_mapping(torch.zeros(2), 64), "check"),
+    Case("validate_cu_seqlens", "cu[0] = 1", OpsInputError, r"cu_seqlens\[0\] = 1 must be 0",
+         lambda: validate_cu_seqlens(torch.tensor([1, 4]), 4), "check"),
+    Case("validate_cu_seqlens", "decreasing", OpsInputError,
          r"cu_seqlens decreases at index 2: 3 -> 2",
-         lambda: V.validate_cu_seqlens(torch.tensor([0, 3, 2, 4]), 4), True),
-    Case("validate_cu_seqlens", "ends at 3 for 4 rows", V.OpsInputError,
+         lambda: validate_cu_seqlens(torch.tensor([0, 3, 2, 4]), 4), "check"),
+    Case("validate_cu_seqlens", "ends at 3 for 4 rows", OpsInputError,
          r"cu_seqlens\[-1\] = 3 but the tensor has 4 rows",
-         lambda: V.validate_cu_seqlens(torch.tensor([0, 3]), 4), True),
-    Case("validate_varlen_inputs", "2 query requests, 1 key request", V.OpsInputError,
+         lambda: validate_cu_seqlens(torch.tensor([0, 3]), 4), "check"),
+    Case("validate_varlen_inputs", "2 query requests, 1 key request", OpsInputError,
          r"cu_seqlens_q has 2 requests but cu_seqlens_k has 1",
-         lambda: V.validate_varlen_inputs(*qkv(), torch.tensor([0, 2, 4]), torch.tensor([0, 4])),
-         True),
-    Case("validate_varlen_inputs", "head_size 8 vs 4", V.OpsInputError,
+         lambda: validate_varlen_inputs(*qkv(), torch.tensor([0, 2, 4]), torch.tensor([0, 4])),
+         "check"),
+    Case("validate_varlen_inputs", "head_size 8 vs 4", OpsInputError,
          r"head_size of q \(8\) != head_size of k \(4\)",
-         lambda: V.validate_varlen_inputs(torch.randn(4, H, D), torch.randn(4, H, 4),
-                                          torch.randn(4, H, 4), torch.tensor([0, 4]),
-                                          torch.tensor([0, 4])), True),
-    Case("validate_varlen_inputs", "3 q heads, 2 kv heads", V.OpsInputError,
-         r"q heads \(3\) must be a multiple of k heads \(2\)",
-         lambda: V.validate_varlen_inputs(torch.randn(4, 3, D), *qkv()[1:], torch.tensor([0, 4]),
-                                          torch.tensor([0, 4])), True),
-    Case("validate_varlen_inputs", "window=0", V.OpsInputError, r"window must be an integer >= 1",
-         lambda: V.validate_varlen_inputs(*qkv(), torch.tensor([0, 4]), torch.tensor([0, 4]),
-                                          window=0), True),
-    Case("validate_paged_inputs", "block 9 of 4", V.OpsInputError,
+         lambda: validate_varlen_inputs(torch.randn(4, H, D), torch.randn(4, H, 4),
+                                        torch.randn(4, H, 4), torch.tensor([0, 4]),
+                                        torch.tensor([0, 4])), "check"),
+    Case("validate_varlen_inputs", "window=0", OpsInputError, r"window must be an integer >= 1",
+         lambda: validate_varlen_inputs(*qkv(), torch.tensor([0, 4]), torch.tensor([0, 4]),
+                                        window=0), "check"),
+    Case("validate_varlen_inputs", "cu_seqlens_k ends at 3 for 4 keys", OpsInputError,
+         r"cu_seqlens_k\[-1\] = 3 but the tensor has 4 rows",
+         lambda: validate_varlen_inputs(*qkv(), torch.tensor([0, 4]), torch.tensor([0, 3])),
+         "check"),
+    Case("validate_paged_inputs", "block 9 of 4", OpsInputError,
          r"block_table holds block 9 outside \[0, 4\)",
-         lambda: V.validate_paged_inputs(qkv()[0], *cache(), torch.tensor([[9]]),
-                                         torch.tensor([0, 4]), torch.tensor([3])), True),
-    Case("validate_paged_inputs", "seq_len 17 with 1 block", V.OpsInputError,
+         lambda: validate_paged_inputs(qkv()[0], *cache(), torch.tensor([[9]]),
+                                       torch.tensor([0, 4]), torch.tensor([3])), "check"),
+    Case("validate_paged_inputs", "seq_len 17 with 1 block", OpsInputError,
          r"seq_lens\[0\] = 17 needs 2 blocks, block_table has 1",
-         lambda: V.validate_paged_inputs(qkv()[0], *cache(), torch.tensor([[0]]),
-                                         torch.tensor([0, 4]), torch.tensor([17])), True),
-    Case("validate_paged_inputs", "negative seq_len", V.OpsInputError,
+         lambda: validate_paged_inputs(qkv()[0], *cache(), torch.tensor([[0]]),
+                                       torch.tensor([0, 4]), torch.tensor([17])), "check"),
+    Case("validate_paged_inputs", "negative seq_len", OpsInputError,
          r"seq_lens holds a negative length -1",
-         lambda: V.validate_paged_inputs(qkv()[0], *cache(), torch.tensor([[0]]),
-                                         torch.tensor([0, 4]), torch.tensor([-1])), True),
-    Case("validate_paged_inputs", "2 seq_lens, 1 table row", V.OpsInputError,
-         r"block_table has 1 rows, cu_seqlens_q 1 requests, seq_lens 2",
-         lambda: V.validate_paged_inputs(qkv()[0], *cache(), torch.tensor([[0]]),
-                                         torch.tensor([0, 4]), torch.tensor([1, 1])), True),
-    Case("validate_merge_inputs", "lse shape [4, 3] for out [4, 2, 8]", V.OpsInputError,
+         lambda: validate_paged_inputs(qkv()[0], *cache(), torch.tensor([[0]]),
+                                       torch.tensor([0, 4]), torch.tensor([-1])), "check"),
+    Case("validate_merge_inputs", "lse shape [4, 3] for out [4, 2, 8]", OpsInputError,
          r"merge needs out \[T, H, D\] and lse \[T, H\] of matching shapes",
-         lambda: V.validate_merge_inputs(torch.zeros(4, 2, 8), torch.zeros(4, 3),
-                                         torch.zeros(4, 2, 8), torch.zeros(4, 3)), True),
-    Case("validate_merge_inputs", "NaN lse", V.OpsInputError, r"lse_b holds NaN or \+inf",
-         lambda: V.validate_merge_inputs(torch.zeros(4, 2, 8), torch.zeros(4, 2),
-                                         torch.zeros(4, 2, 8), torch.full((4, 2), float("nan"))),
-         True),
+         lambda: validate_merge_inputs(torch.zeros(4, 2, 8), torch.zeros(4, 3),
+                                       torch.zeros(4, 2, 8), torch.zeros(4, 3)), "check"),
+    Case("validate_merge_inputs", "NaN lse", OpsInputError, r"lse_b holds NaN or \+inf",
+         lambda: validate_merge_inputs(torch.zeros(4, 2, 8), torch.zeros(4, 2),
+                                       torch.zeros(4, 2, 8), torch.full((4, 2), float("nan"))),
+         "check"),
     Case("validate_kv_cache_shape_args", "block_size=16.0", ValueError,
          r"block_size must be an integer >= 1, got 16\.0",
-         lambda: V.validate_kv_cache_shape_args(4, 16.0, 1, 8), True),
+         lambda: validate_kv_cache_shape_args(4, 16.0, 1, 8), "check"),
     Case("validate_kv_cache_shape_args", "num_kv_heads=True", ValueError,
          r"num_kv_heads must be an integer >= 1, got True",
-         lambda: V.validate_kv_cache_shape_args(4, 16, True, 8), True),
+         lambda: validate_kv_cache_shape_args(4, 16, True, 8), "check"),
     Case("validate_kv_cache_shape_args", "block_size=24 (unsupported)", ValueError,
          r"block_size 24 is not one of \(16, 32, 64, 128\)",
-         lambda: V.validate_kv_cache_shape_args(4, 24, 1, 8, (16, 32, 64, 128)), True),
+         lambda: validate_kv_cache_shape_args(4, 24, 1, 8, (16, 32, 64, 128)), "check"),
 ]
 
 
@@ -419,16 +456,34 @@ def test_error(case: Case) -> None:
     assert type(info.value) is case.error or issubclass(type(info.value), case.error)
 
 
-def test_valid_inputs_pass_the_new_checks() -> None:
-    """The new checks accept what the builders produce for healthy steps."""
+def test_valid_inputs_pass_every_check() -> None:
+    """The checks accept what the builders produce for healthy steps (debug mode on)."""
     meta = single_meta((16,), (4,), torch.tensor([[0, 1]]))
-    validate(meta=meta, block_size=BS, check_finite=True)
-    V.validate_step(step((16, 0), (1, 20), torch.tensor([[0, 1], [2, 3]])), CPConfig(), 4)
-    V.validate_step(step((16, 16), (1, 1), torch.tensor([[0, 1], [0, 2]])), CPConfig(), 4)
-    V.validate_ranks(CPConfig(tp_size=4, dcp_size=2), CPRanks.of(CPConfig(tp_size=4, dcp_size=2), 3))
-    V.validate_varlen_inputs(*qkv(), torch.tensor([0, 1, 4]), torch.tensor([0, 2, 4]), window=3)
-    V.validate_paged_inputs(qkv()[0], *cache(), torch.tensor([[0, 1]]), torch.tensor([0, 4]),
-                            torch.tensor([17]))
+    debug_forward(meta=meta)
+    validate_step(step((16, 0), (1, 20), torch.tensor([[0, 1], [2, 3]])), CPConfig(), 4)
+    validate_step(step((16, 16), (1, 1), torch.tensor([[0, 1], [0, 2]])), CPConfig(), 4)
+    validate_ranks(CPConfig(tp_size=4, dcp_size=2), CPRanks.of(CPConfig(tp_size=4, dcp_size=2), 3))
+    validate_varlen_inputs(*qkv(), torch.tensor([0, 1, 4]), torch.tensor([0, 2, 4]), window=3)
+    validate_paged_inputs(qkv()[0], *cache(), torch.tensor([[0, 1]]), torch.tensor([0, 4]),
+                          torch.tensor([17]))
+
+
+def test_debug_switch_selects_the_value_checks(monkeypatch) -> None:
+    """The O(n) checks run only in debug mode; CP_ATTENTION_DEBUG sets the impl's default."""
+    nan_query = torch.full((4, H, D), float("nan"))
+    forward(query=nan_query)  # debug off: O(1) checks only, no scan of the rows
+    with pytest.raises(AttentionLayerError, match="query holds NaN"):
+        debug_forward(query=nan_query)
+    monkeypatch.setenv("CP_ATTENTION_DEBUG", "1")
+    assert BaseAttentionImpl(num_heads=H, head_size=D, scale=1.0).debug is True
+    monkeypatch.setenv("CP_ATTENTION_DEBUG", "0")
+    assert BaseAttentionImpl(num_heads=H, head_size=D, scale=1.0).debug is False
+
+
+def test_suite_runs_in_debug_mode() -> None:
+    """tests/conftest.py turns the O(n) checks on for every impl the suite builds."""
+    assert os.environ.get("CP_ATTENTION_DEBUG") == "1"
+    assert BaseAttentionImpl(num_heads=H, head_size=D, scale=1.0).debug is True
 
 
 def markdown_table() -> str:
@@ -438,7 +493,7 @@ def markdown_table() -> str:
     for c in CASES:
         frag = c.fragment.replace("|", "\\|")
         lines.append(f"| `{c.entry}` | {c.input} | `{c.error.__name__}` | `{frag}` | "
-                     f"{'validation.py' if c.new else 'entry point'} |")
+                     f"{c.where} |")
     return "\n".join(lines)
 
 

@@ -1,5 +1,5 @@
 """Random steps through the metadata builders of every rank, checked against the invariants of
-:func:`cp_attention.validation.validate_rank_plans` (ownership, restore permutations, lengths,
+:func:`cp_attention.metadata.checks.validate_rank_plans` (ownership, restore permutations, lengths,
 index ranges). ~200 examples in CI; benchmarks/fuzz_nightly.py runs >= 10,000.
 """
 from __future__ import annotations
@@ -14,7 +14,8 @@ from cp_attention.backend import CPAttentionBackend
 from cp_attention.config import CPConfig, CPRanks
 from cp_attention.metadata.common import StepSpec
 from cp_attention.metadata.kv_layout import blocks_needed
-from cp_attention.validation import StepError, validate_rank_plans
+from cp_attention.errors import StepError
+from cp_attention.metadata.checks import validate_rank_plans
 
 SETTINGS = dict(derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
 

@@ -11,8 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cp_attention.ops import cuda_args as C
-from cp_attention.ops import npu_args as plan
+from cp_attention.ops import cuda_args, paged_plan
 from cp_attention.ops.cuda import CudaOps
 from cp_attention.ops.reference import ReferenceOps
 
@@ -85,7 +84,7 @@ def cuda_ops(request, monkeypatch):
     fake = make_flash_attn(strict=False)
     monkeypatch.setitem(sys.modules, "flash_attn", fake)
     ops = CudaOps()
-    monkeypatch.setattr(C, "FLASH_DTYPES", (torch.float16, torch.bfloat16, torch.float64))
+    monkeypatch.setattr(cuda_args, "FLASH_DTYPES", (torch.float16, torch.bfloat16, torch.float64))
     return ops, fake
 
 
@@ -109,34 +108,34 @@ def _check(out, lse, ref_out, ref_lse, tight=True):
 # ---------------------------------------------------------------- pure argument preparation
 
 def test_window_size_exact():
-    assert C.window_size(False, None) == (-1, -1)
-    assert C.window_size(True, None) == (-1, 0)
-    assert C.window_size(True, 4) == (3, 0)
+    assert cuda_args.window_size(False, None) == (-1, -1)
+    assert cuda_args.window_size(True, None) == (-1, 0)
+    assert cuda_args.window_size(True, 4) == (3, 0)
     with pytest.raises(ValueError):
-        C.window_size(False, 2)
+        cuda_args.window_size(False, 2)
 
 
 def test_small_helpers_exact():
-    cu = C.int32_cu_seqlens(torch.tensor([0, 2, 5]), torch.device("cpu"))
+    cu = cuda_args.int32_cu_seqlens(torch.tensor([0, 2, 5]), torch.device("cpu"))
     assert cu.dtype == torch.int32 and cu.tolist() == [0, 2, 5]
-    assert C.max_seqlen([0, 2, 5, 5]) == 3 and C.max_seqlen([0]) == 0
-    assert torch.equal(C.lse_to_th(torch.arange(6.0).view(2, 3), 3, 2),
+    assert cuda_args.max_seqlen([0, 2, 5, 5]) == 3 and cuda_args.max_seqlen([0]) == 0
+    assert torch.equal(cuda_args.lse_to_th(torch.arange(6.0).view(2, 3), 3, 2),
                        torch.arange(6.0).view(2, 3).T)
-    assert C.dense_visibility(2, 4, True, 2).tolist() == [[False, True, True, False],
+    assert cuda_args.dense_visibility(2, 4, True, 2).tolist() == [[False, True, True, False],
                                                            [False, False, True, True]]
-    assert C.dense_visibility(3, 1, True, None).tolist() == [[False], [False], [True]]
+    assert cuda_args.dense_visibility(3, 1, True, None).tolist() == [[False], [False], [True]]
 
 
 def test_paged_gather_exact():
-    call = plan.KernelCall(0, 0, 0, [plan.VirtualRequest((0,), 1, 1, 3),
-                                     plan.VirtualRequest((1, 2), 0, 0, 5)])
+    call = paged_plan.KernelCall("full", None, [paged_plan.VirtualRequest((0,), 1, 1, 3),
+                                                paged_plan.VirtualRequest((1, 2), 0, 0, 5)])
     table = torch.tensor([[2, 0, 1], [3, 4, 5]])
-    slots, bounds = C.paged_gather(table, call, 4)
+    slots, bounds = cuda_args.paged_gather(table, call, 4)
     assert slots.tolist() == [16, 17, 18, 8, 9, 10, 11, 0]
     assert bounds == [0, 3, 8]
-    band = plan.KernelCall(4, 2, 0)
-    assert C.call_flags(band) == (True, 3)
-    assert C.call_flags(plan.KernelCall(3, plan.MAX_TOKENS, 0)) == (True, None)
+    assert cuda_args.call_flags(paged_plan.KernelCall("band", 3)) == (True, 3)
+    assert cuda_args.call_flags(paged_plan.KernelCall("causal")) == (True, None)
+    assert cuda_args.call_flags(call) == (False, None)
 
 
 # ---------------------------------------------------------------- end to end vs ReferenceOps

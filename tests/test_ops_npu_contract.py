@@ -16,7 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cp_attention.ops import npu_args as A
+from cp_attention.ops import npu_args, paged_plan
 from cp_attention.ops.npu import NpuOps
 from cp_attention.ops.reference import ReferenceOps
 
@@ -76,53 +76,53 @@ def _assert_matches(out, lse, ref_out, ref_lse, dtype):
 # ---------------------------------------------------------------- pure argument preparation
 
 def test_cumulative_lengths_exact():
-    assert A.cumulative_lengths(torch.tensor([0, 3, 3, 7])) == [3, 3, 7]
-    assert A.cumulative_from_lengths([3, 0, 4]) == [3, 3, 7]
+    assert npu_args.cumulative_lengths(torch.tensor([0, 3, 3, 7])) == [3, 3, 7]
+    assert npu_args.cumulative_from_lengths([3, 0, 4]) == [3, 3, 7]
     with pytest.raises(ValueError):
-        A.cumulative_lengths(torch.tensor([1, 3]))
+        npu_args.cumulative_lengths(torch.tensor([1, 3]))
 
 
 def test_sparse_args_exact():
-    assert A.sparse_args(False, None) == (0, A.MAX_TOKENS, A.MAX_TOKENS)
-    assert A.sparse_args(True, None) == (3, A.MAX_TOKENS, 0)
-    assert A.sparse_args(True, 5) == (4, 4, 0)
-    assert A.band_tokens(1) == (0, 0)
+    assert npu_args.sparse_args(False, None) == (0, npu_args.MAX_TOKENS, npu_args.MAX_TOKENS)
+    assert npu_args.sparse_args(True, None) == (3, npu_args.MAX_TOKENS, 0)
+    assert npu_args.sparse_args(True, 5) == (4, 4, 0)
+    assert npu_args.band_tokens(1) == (0, 0)
     with pytest.raises(ValueError):
-        A.sparse_args(False, 4)
-    assert A.needs_compressed_mask(3) and A.needs_compressed_mask(4)
-    assert not A.needs_compressed_mask(0)
+        npu_args.sparse_args(False, 4)
+    assert npu_args.needs_compressed_mask(3) and npu_args.needs_compressed_mask(4)
+    assert not npu_args.needs_compressed_mask(0)
 
 
 def test_compressed_mask_exact():
-    m = A.compressed_causal_mask()
+    m = npu_args.compressed_causal_mask()
     assert m.shape == (2048, 2048) and m.dtype == torch.bool
     assert not m[5, 5] and m[5, 6] and not m[6, 5] and int(m.sum()) == 2048 * 2047 // 2
 
 
 def test_lse_to_th():
     lse = torch.arange(6.0).view(3, 2, 1)
-    assert torch.equal(A.lse_to_th(lse, 3, 2), torch.arange(6.0).view(3, 2))
+    assert torch.equal(npu_args.lse_to_th(lse, 3, 2), torch.arange(6.0).view(3, 2))
     with pytest.raises(ValueError):
-        A.lse_to_th(lse.view(3, 2), 3, 2)
+        npu_args.lse_to_th(lse.view(3, 2), 3, 2)
 
 
 def test_visible_rows_dense_exact():
     cu_q, cu_k = [0, 3, 4, 6], [0, 2, 2, 7]
-    assert A.visible_rows_dense(cu_q, cu_k, True, None).tolist() == [
+    assert npu_args.visible_rows_dense(cu_q, cu_k, True, None).tolist() == [
         False, True, True, False, True, True]
-    assert A.visible_rows_dense(cu_q, cu_k, False, None).tolist() == [
+    assert npu_args.visible_rows_dense(cu_q, cu_k, False, None).tolist() == [
         True, True, True, False, True, True]
 
 
 def test_classify_ranges_exact():
-    assert A.classify_ranges([0, 0, 0], [5, 5, 5], 9) == ("full", 5, 0)
-    assert A.classify_ranges([0, 0, 0], [3, 4, 5], 9) == ("causal", 5, 0)
-    assert A.classify_ranges([0, 0, 0], [0, 0, 1], 9) == ("causal", 1, 0)
-    assert A.classify_ranges([1, 2, 3], [3, 4, 5], 9) == ("band", 5, 2)
-    assert A.classify_ranges([0, 1, 2], [2, 3, 4], 9) == ("band", 4, 2)
-    assert A.classify_ranges([2], [7], 9) == ("band", 7, 5)
-    assert A.classify_ranges([0, 1, 0], [3, 4, 5], 9) is None
-    assert A.classify_ranges([0, 0], [3, 7], 9) is None
+    assert paged_plan.classify_ranges([0, 0, 0], [5, 5, 5], 9) == ("full", 5, 0)
+    assert paged_plan.classify_ranges([0, 0, 0], [3, 4, 5], 9) == ("causal", 5, 0)
+    assert paged_plan.classify_ranges([0, 0, 0], [0, 0, 1], 9) == ("causal", 1, 0)
+    assert paged_plan.classify_ranges([1, 2, 3], [3, 4, 5], 9) == ("band", 5, 2)
+    assert paged_plan.classify_ranges([0, 1, 2], [2, 3, 4], 9) == ("band", 4, 2)
+    assert paged_plan.classify_ranges([2], [7], 9) == ("band", 7, 5)
+    assert paged_plan.classify_ranges([0, 1, 0], [3, 4, 5], 9) is None
+    assert paged_plan.classify_ranges([0, 0], [3, 7], 9) is None
 
 
 def test_plan_paged_exact():
@@ -131,37 +131,42 @@ def test_plan_paged_exact():
     cu_q = [0, 3, 4, 7]
     lo = [0, 0, 0, 2, 4, 5, 0]
     hi = [4, 5, 6, 9, 6, 7, 0]
-    calls, visible = A.plan_paged(cu_q, [6, 9, 8], 4, lo, hi)
-    by_mode = {(c.sparse_mode, c.pre_tokens): c for c in calls}
-    causal = by_mode[(3, A.MAX_TOKENS)]
-    assert causal.query_rows() == [0, 1, 2] and causal.actual_seq_lengths() == [3]
-    assert causal.actual_seq_lengths_kv() == [6]
-    band7 = by_mode[(4, 6)]
-    assert band7.query_rows() == [3] and band7.actual_seq_lengths_kv() == [9]
-    full = by_mode[(0, A.MAX_TOKENS)]
-    assert full.requests == [A.VirtualRequest((4,), 2, 1, 2)]
-    band2 = by_mode[(4, 1)]
-    assert band2.requests == [A.VirtualRequest((5,), 2, 1, 3)]
+    calls, visible = paged_plan.plan_paged(cu_q, [6, 9, 8], 4, lo, hi)
+    by_mask = {(c.mask, c.window): c for c in calls}
+    assert len(by_mask) == len(calls) == 4
+    causal = by_mask[("causal", None)]
+    assert causal.query_rows() == [0, 1, 2] and causal.cu_seqlens_q() == [0, 3]
+    assert causal.kv_lengths() == [6]
+    assert npu_args.call_sparse_args(causal) == (3, npu_args.MAX_TOKENS, 0)
+    band7 = by_mask[("band", 7)]
+    assert band7.query_rows() == [3] and band7.kv_lengths() == [9]
+    assert npu_args.call_sparse_args(band7) == (4, 6, 0)
+    full = by_mask[("full", None)]
+    assert full.requests == [paged_plan.VirtualRequest((4,), 2, 1, 2)]
+    assert npu_args.call_sparse_args(full) == (0, npu_args.MAX_TOKENS, npu_args.MAX_TOKENS)
+    band2 = by_mask[("band", 2)]
+    assert band2.requests == [paged_plan.VirtualRequest((5,), 2, 1, 3)]
+    assert npu_args.call_sparse_args(band2) == (4, 1, 0)
     assert visible.tolist() == [True] * 6 + [False]
     table = torch.tensor([[7, 8, 9], [1, 2, 3], [4, 5, 6]])
-    assert A.gather_block_table(table, full).tolist() == [[5, 6, 0]]
-    assert A.gather_block_table(table, causal).dtype == torch.int32
+    assert npu_args.gather_block_table(table, full).tolist() == [[5, 6, 0]]
+    assert npu_args.gather_block_table(table, causal).dtype == torch.int32
 
 
 def test_plan_paged_no_ranges_is_one_call():
-    calls, visible = A.plan_paged([0, 1, 3], [5, 0], 16, None, None)
-    assert len(calls) == 1 and calls[0].sparse_mode == 0
-    assert calls[0].actual_seq_lengths() == [1] and calls[0].actual_seq_lengths_kv() == [5]
+    calls, visible = paged_plan.plan_paged([0, 1, 3], [5, 0], 16, None, None)
+    assert len(calls) == 1 and calls[0].mask == "full" and calls[0].window is None
+    assert calls[0].cu_seqlens_q() == [0, 1] and calls[0].kv_lengths() == [5]
     assert visible.tolist() == [True, False, False]
 
 
 def test_attention_update_inputs_and_slots():
     out = torch.randn(3, 2, 8)
     lse = torch.randn(3, 2, dtype=torch.float64)
-    lses, outs = A.attention_update_inputs(out, lse, out, lse)
+    lses, outs = npu_args.attention_update_inputs(out, lse, out, lse)
     assert lses[0].shape == (6,) and lses[0].dtype == torch.float32
     assert outs[1].shape == (6, 8) and torch.equal(outs[0][3], out[1, 1])
-    slots = A.slot_mapping_arg(torch.tensor([3, -1, 7]))
+    slots = npu_args.slot_mapping_arg(torch.tensor([3, -1, 7]))
     assert slots.dtype == torch.int32 and slots.tolist() == [3, -1, 7]
 
 
@@ -180,7 +185,7 @@ def _rand(gen, shape, dtype, device):
 
 
 def _cu(lengths):
-    return torch.tensor([0] + A.cumulative_from_lengths(lengths), dtype=torch.int64)
+    return torch.tensor([0] + npu_args.cumulative_from_lengths(lengths), dtype=torch.int64)
 
 
 heads = st.sampled_from([(2, 2), (4, 1), (8, 2)])  # GQA ratios 1, 4, 4

@@ -6,7 +6,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from cp_attention import (AttentionState, CPAttentionBackend, CPConfig, MetadataBuilder, StepSpec)
-from cp_attention.impl.base import AttentionLayerError, BaseAttentionImpl
+from cp_attention.errors import AttentionLayerError
+from cp_attention.impl.base import BaseAttentionImpl
 from cp_attention.testing.workload import Workload, run_workload
 
 TOL = {"float32": 2e-5, "bfloat16": 3e-2, "float16": 4e-3}

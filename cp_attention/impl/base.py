@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import torch
 
+from cp_attention.config import debug_checks_from_env
+from cp_attention.impl.checks import check_forward_call, check_forward_values
 from cp_attention.metadata.builder import AttentionMetadata
 from cp_attention.ops import AttentionOps, get_ops
 
 ATTN_TYPES = ("decoder", "encoder_only", "encoder", "encoder_decoder")
-
-
-class AttentionLayerError(ValueError):
-    """A forward call that cannot be served (bad buffers, shapes or unsupported options)."""
 
 
 class BaseAttentionImpl:
@@ -27,7 +25,9 @@ class BaseAttentionImpl:
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
                  sliding_window: int | None = None, attn_type: str = "decoder",
                  kv_cache_dtype: str = "auto", ops: AttentionOps | None = None,
-                 groups=None) -> None:
+                 groups=None, debug: bool | None = None) -> None:
+        """groups: a :class:`~cp_attention.parallel.CPGroups` (CP impls) or None; debug: also
+        run the O(n) value checks of every call (None: ``CP_ATTENTION_DEBUG``)."""
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if attn_type not in ATTN_TYPES:
             raise ValueError(f"attn_type must be one of {ATTN_TYPES}, got {attn_type!r}")
@@ -50,54 +50,8 @@ class BaseAttentionImpl:
         self.attn_type = attn_type
         self.causal = attn_type == "decoder"
         self.groups = groups
+        self.debug = debug_checks_from_env() if debug is None else debug
         self.ops = ops if ops is not None else get_ops(groups.device if groups is not None else "cpu")
-
-    # -- guards ------------------------------------------------------------------------
-    def _check_call(self, layer, query, key, value, kv_cache, meta, output, output_scale,
-                    output_block_scale) -> None:
-        if output is None:
-            raise AttentionLayerError("output buffer is required (forward writes into it)")
-        if output_scale is not None or output_block_scale is not None:
-            raise NotImplementedError("fused output quantization is not supported")
-        for name in ("_k_scale_float", "_v_scale_float"):
-            scale = getattr(layer, name, 1.0) if layer is not None else 1.0
-            if scale != 1.0:
-                raise NotImplementedError(f"layer.{name} = {scale}: scaled (quantized) K/V is "
-                                          "not supported; scales must be 1.0")
-        if meta.sliding_window != self.sliding_window:
-            raise AttentionLayerError(f"metadata was built for sliding_window="
-                                      f"{meta.sliding_window} but this layer uses "
-                                      f"{self.sliding_window}")
-        for name, tensor, heads in (("query", query, self.num_heads), ("key", key, self.num_kv_heads),
-                                    ("value", value, self.num_kv_heads),
-                                    ("output", output, self.num_heads)):
-            if tensor.shape[0] < meta.num_actual_tokens:
-                raise AttentionLayerError(f"{name} has {tensor.shape[0]} rows, metadata has "
-                                          f"{meta.num_actual_tokens}")
-            if tensor[0].numel() != heads * self.head_size:
-                raise AttentionLayerError(f"{name} rows hold {tensor[0].numel()} values, expected "
-                                          f"{heads} heads x {self.head_size}")
-            if tensor.device != query.device:
-                raise AttentionLayerError(f"{name} is on {tensor.device}, query on {query.device}")
-        if not query.dtype.is_floating_point or key.dtype != query.dtype or value.dtype != query.dtype:
-            raise AttentionLayerError(f"query/key/value dtypes must match floating dtypes, got "
-                                      f"{query.dtype}/{key.dtype}/{value.dtype}")
-        if self.attn_type == "encoder_only":
-            if meta.has_context or meta.num_decodes:
-                raise AttentionLayerError("encoder_only attention takes prefills without context")
-        elif kv_cache is None:
-            raise AttentionLayerError("decoder attention needs a kv_cache")
-        if kv_cache is not None and self.attn_type == "decoder":
-            expected = (2, kv_cache.shape[1], kv_cache.shape[2], self.num_kv_heads, self.head_size)
-            if kv_cache.dim() != 5 or tuple(kv_cache.shape) != expected:
-                raise AttentionLayerError(f"kv_cache shape {tuple(kv_cache.shape)} must be "
-                                          f"(2, num_blocks, block_size, {self.num_kv_heads}, "
-                                          f"{self.head_size})")
-            if kv_cache.dtype != key.dtype or kv_cache.device != key.device:
-                raise AttentionLayerError(f"kv_cache is {kv_cache.dtype} on {kv_cache.device}, "
-                                          f"key is {key.dtype} on {key.device}")
-        from cp_attention.validation import validate_forward_inputs  # imports this module
-        validate_forward_inputs(self, query, key, value, kv_cache, meta, output)
 
     # -- hooks (identity on one device) ------------------------------------------------
     def _step_kv(self, key: torch.Tensor, value: torch.Tensor, meta: AttentionMetadata):
@@ -142,8 +96,10 @@ class BaseAttentionImpl:
                 output_block_scale=None) -> torch.Tensor:
         """Compute attention for the metadata's local rows into ``output`` and return it."""
         meta = attn_metadata
-        self._check_call(layer, query, key, value, kv_cache, meta, output, output_scale,
-                         output_block_scale)
+        check_forward_call(self, layer, query, key, value, kv_cache, meta, output, output_scale,
+                           output_block_scale)
+        if self.debug:
+            check_forward_values(query, key, value, kv_cache, meta)
         rows, dim = meta.num_actual_tokens, self.head_size
         q = query[:rows].reshape(rows, self.num_heads, dim)
         k = key[:rows].reshape(rows, self.num_kv_heads, dim)

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from cp_attention.config import CPConfig, CPRanks
+from cp_attention.metadata.checks import validate_ranks, validate_step
 from cp_attention.metadata.common import (AttentionState, StepSpec, classify_state, cumsum0,
                                           decode_mask, ranges_concat)
 from cp_attention.metadata.kv_layout import blocks_needed, local_count, slot_mapping
@@ -74,10 +75,8 @@ class MetadataBuilder:
                  sliding_window: int | None = None, num_blocks: int | None = None,
                  debug: bool = False) -> None:
         """debug: also run the O(R x max_blocks) step checks of
-        :func:`cp_attention.validation.validate_step` (duplicate blocks, blocks written by two
+        :func:`cp_attention.metadata.checks.validate_step` (duplicate blocks, blocks written by two
         requests) on every build."""
-        from cp_attention.validation import validate_ranks
-
         self.config = config or CPConfig()
         self.ranks = ranks or CPRanks()
         self.debug = debug
@@ -117,7 +116,6 @@ class MetadataBuilder:
         block_table = step.block_table.cpu().numpy()
         self._check_block_table(computed + scheduled, block_table)
         if self.debug:
-            from cp_attention.validation import validate_step
             validate_step(step, cfg, self.num_blocks)
 
         is_decode = decode_mask(step, cfg.decode_threshold)

@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import torch
 
+from cp_attention.ops.cuda import CudaOps
 from cp_attention.ops.interface import AttentionOps
 from cp_attention.ops.merge import merge_attn_states, merge_many
+from cp_attention.ops.npu import NpuOps
 from cp_attention.ops.reference import ReferenceOps
 
-__all__ = ["AttentionOps", "ReferenceOps", "get_ops", "merge_attn_states", "merge_many"]
+__all__ = ["AttentionOps", "CudaOps", "NpuOps", "ReferenceOps", "get_ops", "merge_attn_states",
+           "merge_many"]
 
 
 def get_ops(device: torch.device | str = "cpu", kind: str = "auto") -> AttentionOps:
@@ -18,9 +21,7 @@ def get_ops(device: torch.device | str = "cpu", kind: str = "auto") -> Attention
     if kind not in ("auto", "npu", "cuda"):
         raise ValueError(f"ops kind must be 'auto', 'reference', 'npu' or 'cuda', got {kind!r}")
     if device.type == "npu" or kind == "npu":
-        from cp_attention.ops.npu import NpuOps  # needs torch_npu
-        return NpuOps()
+        return NpuOps()  # loads torch_npu on first use
     if device.type == "cuda" or kind == "cuda":
-        from cp_attention.ops.cuda import CudaOps
-        return CudaOps()
+        return CudaOps()  # loads flash_attn when importable
     return ReferenceOps()

@@ -1,21 +1,23 @@
-"""Argument checks of the attention primitives (no dependency beyond torch).
+"""Argument checks of the attention primitives.
 
-Each raises :class:`OpsInputError` (a ``ValueError``) naming the argument and its value.
+Two costs, one rule for every op implementation:
+  * ``check_*_args``: O(1) (ranks, shapes, dtypes, devices, lengths of the index tensors);
+    every op calls its check on every call;
+  * ``validate_*``: O(n) value checks (slot ranges, monotone offsets, block ids). The ops do
+    not run them; the impl runs those of its own inputs once per call in debug mode
+    (:func:`cp_attention.impl.checks.check_forward_values`), and callers of the ops may too.
+Each raises :class:`~cp_attention.errors.OpsInputError` (a ``ValueError``) naming the argument
+and its value.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
-import numpy as np
 import torch
 
-
-class OpsInputError(ValueError):
-    """Arguments of an attention primitive that do not fit together."""
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+from cp_attention.config import is_int
+from cp_attention.errors import OpsInputError
+from cp_attention.mathutils import ceil_div
 
 
 def validate_slot_mapping(slot_mapping: torch.Tensor, num_slots: int, num_rows: int | None = None,
@@ -37,12 +39,16 @@ def validate_slot_mapping(slot_mapping: torch.Tensor, num_slots: int, num_rows: 
         raise error(f"slot_mapping writes slot {int(values[counts > 1][0])} more than once")
 
 
-def validate_cu_seqlens(cu_seqlens: torch.Tensor, num_rows: int, name: str = "cu_seqlens"
-                        ) -> None:
-    """[R + 1] integer offsets: starts at 0, non-decreasing, ends at ``num_rows``."""
+def _check_offsets(cu_seqlens: torch.Tensor, name: str) -> None:
     if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.numel() < 1:
         raise OpsInputError(f"{name} must be a non-empty 1-D integer tensor, got "
                             f"{cu_seqlens.dtype} shape {tuple(cu_seqlens.shape)}")
+
+
+def validate_cu_seqlens(cu_seqlens: torch.Tensor, num_rows: int, name: str = "cu_seqlens"
+                        ) -> None:
+    """[R + 1] integer offsets: starts at 0, non-decreasing, ends at ``num_rows``."""
+    _check_offsets(cu_seqlens, name)
     cu = cu_seqlens.detach().cpu().long()
     if int(cu[0]) != 0:
         raise OpsInputError(f"{name}[0] = {int(cu[0])} must be 0")
@@ -69,51 +75,96 @@ def _check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_name: str)
                             f"{q.dtype}@{q.device}, {k.dtype}@{k.device}, {v.dtype}@{v.device}")
 
 
-def validate_varlen_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
-                           window: int | None = None) -> None:
-    """Arguments of ``AttentionOps.varlen_attention``."""
+def check_varlen_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                      window: int | None = None, causal: bool = True) -> None:
+    """O(1) checks of ``AttentionOps.varlen_attention``: q [Tq, Hq, D], k/v [Tk, Hkv, D]."""
     _check_heads(q, k, v, "k")
-    validate_cu_seqlens(cu_seqlens_q, q.shape[0], "cu_seqlens_q")
-    validate_cu_seqlens(cu_seqlens_k, k.shape[0], "cu_seqlens_k")
+    _check_offsets(cu_seqlens_q, "cu_seqlens_q")
+    _check_offsets(cu_seqlens_k, "cu_seqlens_k")
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
         raise OpsInputError(f"cu_seqlens_q has {cu_seqlens_q.numel() - 1} requests but "
                             f"cu_seqlens_k has {cu_seqlens_k.numel() - 1}")
-    if window is not None and (not _is_int(window) or window < 1):
-        raise OpsInputError(f"window must be an integer >= 1 or None, got {window!r}")
+    if window is not None:
+        if not is_int(window) or window < 1:
+            raise OpsInputError(f"window must be an integer >= 1 or None, got {window!r}")
+        if not causal:
+            raise OpsInputError("a sliding window requires causal attention")
 
 
-def validate_paged_inputs(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                          block_table: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                          seq_lens: torch.Tensor) -> None:
-    """Arguments of ``AttentionOps.paged_attention``: caches [num_blocks, block_size, Hkv, D]."""
-    if key_cache.dim() != 4:
-        raise OpsInputError(f"key_cache must be [num_blocks, block_size, Hkv, D], got "
-                            f"{tuple(key_cache.shape)}")
-    _check_heads(q, key_cache.flatten(0, 1), value_cache.flatten(0, 1)
-                 if value_cache.dim() == 4 else value_cache, "key_cache")
-    num_reqs = block_table.shape[0] if block_table.dim() == 2 else -1
+def validate_varlen_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                           window: int | None = None) -> None:
+    """All checks of ``varlen_attention`` (O(requests)): the O(1) ones and both offsets."""
+    check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, window)
+    validate_cu_seqlens(cu_seqlens_q, q.shape[0], "cu_seqlens_q")
+    validate_cu_seqlens(cu_seqlens_k, k.shape[0], "cu_seqlens_k")
+
+
+def check_paged_args(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     block_table: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     seq_lens: torch.Tensor) -> None:
+    """O(1) checks of ``AttentionOps.paged_attention``: caches [num_blocks, block_size, Hkv, D],
+    block_table [R, max_blocks], cu_seqlens_q [R + 1], seq_lens [R]."""
+    if key_cache.dim() != 4 or value_cache.shape != key_cache.shape:
+        raise OpsInputError(f"key_cache and value_cache must be [num_blocks, block_size, Hkv, D]"
+                            f" of one shape, got {tuple(key_cache.shape)}, "
+                            f"{tuple(value_cache.shape)}")
+    # [0, Hkv, D] views: no copy of a strided cache
+    _check_heads(q, key_cache[:0].flatten(0, 1), value_cache[:0].flatten(0, 1), "key_cache")
     if block_table.dim() != 2 or block_table.dtype.is_floating_point:
         raise OpsInputError(f"block_table must be a 2-D integer tensor, got {block_table.dtype} "
                             f"shape {tuple(block_table.shape)}")
-    validate_cu_seqlens(cu_seqlens_q, q.shape[0], "cu_seqlens_q")
+    _check_offsets(cu_seqlens_q, "cu_seqlens_q")
+    num_reqs = block_table.shape[0]
     if cu_seqlens_q.numel() != num_reqs + 1 or seq_lens.numel() != num_reqs:
         raise OpsInputError(f"block_table has {num_reqs} rows, cu_seqlens_q "
                             f"{cu_seqlens_q.numel() - 1} requests, seq_lens {seq_lens.numel()}")
-    num_blocks, block_size = key_cache.shape[:2]
+
+
+def validate_block_table(block_table: torch.Tensor, seq_lens: torch.Tensor, num_blocks: int,
+                         block_size: int) -> None:
+    """O(R x max_blocks): every block a request uses (``ceil(seq_len / block_size)`` of its
+    row) is in ``[0, num_blocks)``; lengths are >= 0 and fit the table."""
     lens = seq_lens.detach().cpu().long()
     if (lens < 0).any():
         raise OpsInputError(f"seq_lens holds a negative length {int(lens[lens < 0][0])}")
-    needed = -(-lens // block_size)
+    needed = ceil_div(lens, block_size)
     if needed.numel() and int(needed.max()) > block_table.shape[1]:
         r = int(torch.argmax(needed))
         raise OpsInputError(f"seq_lens[{r}] = {int(lens[r])} needs {int(needed[r])} blocks, "
                             f"block_table has {block_table.shape[1]}")
     table = block_table.detach().cpu().long()
-    used = torch.arange(table.shape[1])[None, :] < needed[:, None]
-    bad = table[used][(table[used] < 0) | (table[used] >= num_blocks)]
+    used = table[torch.arange(table.shape[1])[None, :] < needed[:, None]]
+    bad = used[(used < 0) | (used >= num_blocks)]
     if bad.numel():
         raise OpsInputError(f"block_table holds block {int(bad[0])} outside [0, {num_blocks})")
+
+
+def validate_paged_inputs(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                          block_table: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                          seq_lens: torch.Tensor) -> None:
+    """All checks of ``paged_attention``: the O(1) ones, the offsets and the block table."""
+    check_paged_args(q, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens)
+    validate_cu_seqlens(cu_seqlens_q, q.shape[0], "cu_seqlens_q")
+    validate_block_table(block_table, seq_lens, key_cache.shape[0], key_cache.shape[1])
+
+
+def check_cache_write_args(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                           value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """O(1) checks of ``AttentionOps.reshape_and_cache``: key/value [T, Hkv, D], caches
+    [num_blocks, block_size, Hkv, D], slot_mapping [T] integer."""
+    if slot_mapping.dim() != 1 or slot_mapping.dtype.is_floating_point:
+        raise OpsInputError(f"slot_mapping must be a 1-D integer tensor, got "
+                            f"{slot_mapping.dtype} shape {tuple(slot_mapping.shape)}")
+    if slot_mapping.shape[0] != key.shape[0]:
+        raise OpsInputError(f"slot_mapping has {slot_mapping.shape[0]} entries for "
+                            f"{key.shape[0]} key rows")
+    if key.shape != value.shape or key_cache.dim() != 4 or value_cache.shape != key_cache.shape \
+            or tuple(key.shape[1:]) != tuple(key_cache.shape[2:]):
+        raise OpsInputError(f"key/value [T, Hkv, D] {tuple(key.shape)}, {tuple(value.shape)} do "
+                            f"not fit caches [num_blocks, block_size, Hkv, D] "
+                            f"{tuple(key_cache.shape)}, {tuple(value_cache.shape)}")
 
 
 def validate_merge_inputs(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
@@ -134,7 +185,7 @@ def validate_kv_cache_shape_args(num_blocks, block_size, num_kv_heads, head_size
     """Arguments of ``get_kv_cache_shape``: integers >= 1 (bools and floats rejected)."""
     for name, value in (("num_blocks", num_blocks), ("block_size", block_size),
                         ("num_kv_heads", num_kv_heads), ("head_size", head_size)):
-        if not _is_int(value) or value < 1:
+        if not is_int(value) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     if supported_block_sizes is not None and block_size not in supported_block_sizes:
         raise ValueError(f"block_size {block_size} is not one of {tuple(supported_block_sizes)}")

@@ -3,7 +3,7 @@
 * ``varlen_attention``: ``flash_attn.flash_attn_varlen_func(..., return_attn_probs=True)``
   for float16/bfloat16 when flash-attn imports; otherwise explicit matmul-softmax math per
   request (any device, any float dtype: also what runs on CPU in the tests);
-* ``paged_attention``: the request/row plan of :func:`cp_attention.ops.npu_args.plan_paged`,
+* ``paged_attention``: the request/row plan of :func:`cp_attention.ops.paged_plan.plan_paged`,
   keys gathered from the cache into packed varlen K/V, then the varlen path (flash-attn's own
   paged mode needs page sizes that are multiples of 256, so it is not used);
 * ``reshape_and_cache`` / ``merge_attn_states``: vectorised torch (index_copy_, LSE merge).
@@ -16,10 +16,12 @@ from types import ModuleType
 
 import torch
 
-from cp_attention.ops import cuda_args as C
-from cp_attention.ops import npu_args as plan
-from cp_attention.ops.merge import merge_attn_states as _merge
-from cp_attention.ops.reference import ReferenceOps, _accumulation_dtype, _empty_result
+from cp_attention.ops import cuda_args
+from cp_attention.ops.checks import check_paged_args, check_varlen_args
+from cp_attention.ops.interface import accumulation_dtype, empty_result
+from cp_attention.ops.merge import merge_attn_states
+from cp_attention.ops.paged_plan import plan_paged
+from cp_attention.ops.reference import ReferenceOps
 
 
 def load_flash_attn() -> ModuleType | None:
@@ -34,7 +36,7 @@ def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
                        visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One request in the accumulation dtype: q [nq, Hq, D], k/v [nk, Hkv, D], visible
     [nq, nk] -> out [nq, Hq, D], lse [nq, Hq]; rows without keys give 0 / -inf."""
-    acc = _accumulation_dtype(q.dtype)
+    acc = accumulation_dtype(q.dtype)
     group = q.shape[1] // k.shape[1]
     k = k.to(acc).repeat_interleave(group, dim=1)
     v = v.to(acc).repeat_interleave(group, dim=1)
@@ -59,34 +61,34 @@ class CudaOps:
         self._reference = ReferenceOps()
 
     def _flash_ok(self, dtype: torch.dtype) -> bool:
-        return self._flash is not None and dtype in C.FLASH_DTYPES
+        return self._flash is not None and dtype in cuda_args.FLASH_DTYPES
 
     def _varlen(self, q, k, v, bounds_q: list[int], bounds_k: list[int], scale: float,
                 causal: bool, window: int | None):
         """Packed varlen attention -> (out acc dtype, lse [T, H] acc dtype)."""
-        acc = _accumulation_dtype(q.dtype)
-        out, lse = _empty_result(q, acc)
+        acc = accumulation_dtype(q.dtype)
+        out, lse = empty_result(q, acc)
         if q.shape[0] == 0 or k.shape[0] == 0:
             return out, lse
         if self._flash_ok(q.dtype):
             res = self._flash.flash_attn_varlen_func(
                 q.contiguous(), k.contiguous(), v.contiguous(),
-                C.int32_cu_seqlens(torch.tensor(bounds_q), q.device),
-                C.int32_cu_seqlens(torch.tensor(bounds_k), q.device),
-                C.max_seqlen(bounds_q), C.max_seqlen(bounds_k), dropout_p=0.0,
+                cuda_args.int32_cu_seqlens(torch.tensor(bounds_q), q.device),
+                cuda_args.int32_cu_seqlens(torch.tensor(bounds_k), q.device),
+                cuda_args.max_seqlen(bounds_q), cuda_args.max_seqlen(bounds_k), dropout_p=0.0,
                 softmax_scale=float(scale), causal=causal,
-                window_size=C.window_size(causal, window), return_attn_probs=True)
-            o, l = res[0], C.lse_to_th(res[1], q.shape[0], q.shape[1])
-            visible = torch.cat([C.dense_visibility(b - a, d - c, causal, window, q.device).any(1)
-                                 for a, b, c, d in zip(bounds_q, bounds_q[1:], bounds_k,
-                                                       bounds_k[1:])])
+                window_size=cuda_args.window_size(causal, window), return_attn_probs=True)
+            o, l = res[0], cuda_args.lse_to_th(res[1], q.shape[0], q.shape[1])
+            visible = torch.cat([
+                cuda_args.dense_visibility(b - a, d - c, causal, window, q.device).any(1)
+                for a, b, c, d in zip(bounds_q, bounds_q[1:], bounds_k, bounds_k[1:])])
             out = torch.where(visible[:, None, None], o.to(acc), out)
             lse = torch.where(visible[:, None], l.to(acc), lse)
             return out, lse
         for r in range(len(bounds_q) - 1):
             qs, qe, ks, ke = bounds_q[r], bounds_q[r + 1], bounds_k[r], bounds_k[r + 1]
             if qe > qs and ke > ks:
-                vis = C.dense_visibility(qe - qs, ke - ks, causal, window, q.device)
+                vis = cuda_args.dense_visibility(qe - qs, ke - ks, causal, window, q.device)
                 out[qs:qe], lse[qs:qe] = explicit_attention(q[qs:qe], k[ks:ke], v[ks:ke],
                                                             scale, vis)
         return out, lse
@@ -94,29 +96,29 @@ class CudaOps:
     def varlen_attention(self, q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal,
                          window=None):
         """q [Tq, Hq, D], k/v [Tk, Hkv, D] -> (out [Tq, Hq, D], lse [Tq, Hq])."""
-        if window is not None and not causal:
-            raise ValueError("a sliding window requires causal attention")
+        check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, window, causal)
         return self._varlen(q, k, v, [int(x) for x in cu_seqlens_q.tolist()],
                             [int(x) for x in cu_seqlens_k.tolist()], scale, causal, window)
 
     def paged_attention(self, q, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens,
                         *, scale, kv_start=None, kv_end=None):
         """q [Tq, Hq, D]; caches [num_blocks, block_size, Hkv, D]; block_table [R, max_blocks]."""
-        acc = _accumulation_dtype(q.dtype)
+        check_paged_args(q, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens)
+        acc = accumulation_dtype(q.dtype)
         block_size, hkv, d = key_cache.shape[1:]
-        calls, _ = plan.plan_paged(
+        calls, _ = plan_paged(
             [int(x) for x in cu_seqlens_q.tolist()], [int(x) for x in seq_lens.tolist()],
             block_size, None if kv_start is None else [int(x) for x in kv_start.tolist()],
             None if kv_end is None else [int(x) for x in kv_end.tolist()])
-        out, lse = _empty_result(q, acc)
+        out, lse = empty_result(q, acc)
         flat_k, flat_v = key_cache.view(-1, hkv, d), value_cache.view(-1, hkv, d)
         for call in calls:
             rows = torch.tensor(call.query_rows(), dtype=torch.long, device=q.device)
-            slots, bounds_k = C.paged_gather(block_table.to(q.device), call, block_size)
-            causal, window = C.call_flags(call)
+            slots, bounds_k = cuda_args.paged_gather(block_table.to(q.device), call, block_size)
+            causal, window = cuda_args.call_flags(call)
             o, l = self._varlen(q.index_select(0, rows), flat_k.index_select(0, slots),
                                 flat_v.index_select(0, slots),
-                                [0] + call.actual_seq_lengths(), bounds_k, scale, causal, window)
+                                call.cu_seqlens_q(), bounds_k, scale, causal, window)
             out[rows], lse[rows] = o, l
         return out, lse
 
@@ -125,4 +127,4 @@ class CudaOps:
         self._reference.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
     def merge_attn_states(self, out_a, lse_a, out_b, lse_b):
-        return _merge(out_a, lse_a, out_b, lse_b)
+        return merge_attn_states(out_a, lse_a, out_b, lse_b)

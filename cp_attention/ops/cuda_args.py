@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from cp_attention.ops.npu_args import KernelCall, SPARSE_BAND, SPARSE_RIGHT_DOWN_CAUSAL
+from cp_attention.mathutils import ceil_div
+from cp_attention.ops.paged_plan import KernelCall
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -58,9 +59,7 @@ def dense_visibility(nq: int, nk: int, causal: bool, window: int | None,
 
 def call_flags(call: KernelCall) -> tuple[bool, int | None]:
     """A planned paged call's (causal, window) in interface terms."""
-    if call.sparse_mode == SPARSE_BAND:
-        return True, call.pre_tokens + 1
-    return call.sparse_mode == SPARSE_RIGHT_DOWN_CAUSAL, None
+    return call.mask != "full", call.window
 
 
 def paged_gather(block_table: torch.Tensor, call: KernelCall,
@@ -73,7 +72,7 @@ def paged_gather(block_table: torch.Tensor, call: KernelCall,
     pieces, bounds = [], [0]
     offsets = torch.arange(block_size, device=block_table.device)
     for req in call.requests:
-        n_blocks = -(-req.kv_len // block_size)
+        n_blocks = ceil_div(req.kv_len, block_size)
         blocks = block_table[req.source, req.block_offset: req.block_offset + n_blocks].long()
         pieces.append((blocks[:, None] * block_size + offsets).reshape(-1)[: req.kv_len])
         bounds.append(bounds[-1] + req.kv_len)

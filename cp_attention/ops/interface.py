@@ -18,6 +18,18 @@ from typing import Protocol
 import torch
 
 
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype attention outputs and LSEs are returned in: float64 for float64, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def empty_result(q: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The result of rows that see no key: out [T, Hq, D] zeros, lse [T, Hq] -inf (in ``acc``)."""
+    out = torch.zeros(q.shape, dtype=acc, device=q.device)
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=acc, device=q.device)
+    return out, lse
+
+
 class AttentionOps(Protocol):
     """One device's implementation of the primitives used by the backends."""
 

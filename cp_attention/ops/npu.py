@@ -1,6 +1,7 @@
 """Ascend NPU implementation of :class:`~cp_attention.ops.interface.AttentionOps` over torch_npu.
 
-Kernel map (argument conventions live in :mod:`cp_attention.ops.npu_args`, see docs/devices.md):
+Kernel map (argument conventions live in :mod:`cp_attention.ops.npu_args`, the request plan of
+paged calls in :mod:`cp_attention.ops.paged_plan`; see docs/devices.md):
 
 * ``varlen_attention``  -> ``torch_npu.npu_fused_infer_attention_score`` (TND, sparse_mode
   0/3/4, cumulative ``actual_seq_lengths``/``actual_seq_lengths_kv``, ``softmax_lse_flag``);
@@ -21,9 +22,12 @@ from types import ModuleType
 
 import torch
 
-from cp_attention.ops import npu_args as A
-from cp_attention.ops.merge import merge_attn_states as _portable_merge
-from cp_attention.ops.reference import ReferenceOps, _accumulation_dtype, _empty_result
+from cp_attention.ops import npu_args
+from cp_attention.ops.checks import check_cache_write_args, check_paged_args, check_varlen_args
+from cp_attention.ops.interface import accumulation_dtype, empty_result
+from cp_attention.ops.merge import merge_attn_states
+from cp_attention.ops.paged_plan import plan_paged
+from cp_attention.ops.reference import ReferenceOps
 
 
 def _load_torch_npu() -> ModuleType:
@@ -42,7 +46,8 @@ class NpuOps:
 
     name = "npu"
 
-    def __init__(self, kernel_dtypes: tuple[torch.dtype, ...] | None = A.KERNEL_DTYPES) -> None:
+    def __init__(self, kernel_dtypes: tuple[torch.dtype, ...] | None = npu_args.KERNEL_DTYPES
+                 ) -> None:
         self.kernel_dtypes = kernel_dtypes
         self._reference = ReferenceOps()
         self._mask_cache: dict[torch.device, torch.Tensor] = {}
@@ -55,10 +60,10 @@ class NpuOps:
         return self.kernel_dtypes is None or dtype in self.kernel_dtypes
 
     def _mask(self, sparse_mode: int, device: torch.device) -> torch.Tensor | None:
-        if not A.needs_compressed_mask(sparse_mode):
+        if not npu_args.needs_compressed_mask(sparse_mode):
             return None
         if device not in self._mask_cache:
-            self._mask_cache[device] = A.compressed_causal_mask(device)
+            self._mask_cache[device] = npu_args.compressed_causal_mask(device)
         return self._mask_cache[device]
 
     def _finish(self, out: torch.Tensor, lse: torch.Tensor, visible: torch.Tensor,
@@ -77,12 +82,14 @@ class NpuOps:
         if not self._native(q.dtype):
             return self._reference.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                     scale=scale, causal=causal, window=window)
-        acc = _accumulation_dtype(q.dtype)
-        cu_q, cu_k = [0] + A.cumulative_lengths(cu_seqlens_q), [0] + A.cumulative_lengths(cu_seqlens_k)
-        visible = A.visible_rows_dense(cu_q, cu_k, causal, window)
+        check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, window, causal)
+        acc = accumulation_dtype(q.dtype)
+        cu_q = [0] + npu_args.cumulative_lengths(cu_seqlens_q)
+        cu_k = [0] + npu_args.cumulative_lengths(cu_seqlens_k)
+        visible = npu_args.visible_rows_dense(cu_q, cu_k, causal, window)
         if q.shape[0] == 0 or k.shape[0] == 0 or not bool(visible.any()):
-            return _empty_result(q, acc)
-        mode, pre, nxt = A.sparse_args(causal, window)
+            return empty_result(q, acc)
+        mode, pre, nxt = npu_args.sparse_args(causal, window)
         out, lse = self.torch_npu.npu_fused_infer_attention_score(
             q.contiguous(), k.contiguous(), v.contiguous(),
             atten_mask=self._mask(mode, q.device),
@@ -90,7 +97,7 @@ class NpuOps:
             num_heads=q.shape[1], num_key_value_heads=k.shape[1], scale=float(scale),
             pre_tokens=pre, next_tokens=nxt, input_layout="TND", sparse_mode=mode,
             softmax_lse_flag=True)
-        return self._finish(out, A.lse_to_th(lse, q.shape[0], q.shape[1]), visible, acc)
+        return self._finish(out, npu_args.lse_to_th(lse, q.shape[0], q.shape[1]), visible, acc)
 
     def paged_attention(self, q, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens,
                         *, scale, kv_start=None, kv_end=None):
@@ -99,30 +106,32 @@ class NpuOps:
             return self._reference.paged_attention(
                 q, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, scale=scale,
                 kv_start=kv_start, kv_end=kv_end)
-        acc = _accumulation_dtype(q.dtype)
-        cu_q = [0] + A.cumulative_lengths(cu_seqlens_q)
-        calls, visible = A.plan_paged(
+        check_paged_args(q, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens)
+        acc = accumulation_dtype(q.dtype)
+        cu_q = [0] + npu_args.cumulative_lengths(cu_seqlens_q)
+        calls, visible = plan_paged(
             cu_q, [int(x) for x in seq_lens.tolist()], key_cache.shape[1],
             None if kv_start is None else [int(x) for x in kv_start.tolist()],
             None if kv_end is None else [int(x) for x in kv_end.tolist()])
         out = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse = torch.full(q.shape[:2], float("-inf"), dtype=acc, device=q.device)
-        keys, values = A.flat_cache(key_cache), A.flat_cache(value_cache)
+        keys, values = npu_args.flat_cache(key_cache), npu_args.flat_cache(value_cache)
         for call in calls:
             rows = torch.tensor(call.query_rows(), dtype=torch.long, device=q.device)
             q_call = q.index_select(0, rows).contiguous()
+            mode, pre, nxt = npu_args.call_sparse_args(call)
             o_call, l_call = self.torch_npu.npu_fused_infer_attention_score(
                 q_call, keys, values,
-                atten_mask=self._mask(call.sparse_mode, q.device),
-                actual_seq_lengths=call.actual_seq_lengths(),
-                actual_seq_lengths_kv=call.actual_seq_lengths_kv(),
-                block_table=A.gather_block_table(block_table, call),
+                atten_mask=self._mask(mode, q.device),
+                actual_seq_lengths=call.cu_seqlens_q()[1:],
+                actual_seq_lengths_kv=call.kv_lengths(),
+                block_table=npu_args.gather_block_table(block_table, call),
                 num_heads=q.shape[1], num_key_value_heads=key_cache.shape[2],
-                scale=float(scale), pre_tokens=call.pre_tokens, next_tokens=call.next_tokens,
-                input_layout="TND", sparse_mode=call.sparse_mode,
+                scale=float(scale), pre_tokens=pre, next_tokens=nxt,
+                input_layout="TND", sparse_mode=mode,
                 block_size=key_cache.shape[1], softmax_lse_flag=True)
             out[rows] = o_call.to(acc)
-            lse[rows] = A.lse_to_th(l_call, rows.shape[0], q.shape[1]).to(acc)
+            lse[rows] = npu_args.lse_to_th(l_call, rows.shape[0], q.shape[1]).to(acc)
         return self._finish(out, lse, visible, acc)
 
     def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping):
@@ -130,18 +139,19 @@ class NpuOps:
         if not self._native(key_cache.dtype):
             self._reference.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
             return
+        check_cache_write_args(key, value, key_cache, value_cache, slot_mapping)
         self.torch_npu._npu_reshape_and_cache(
             key=key.to(key_cache.dtype).contiguous(), value=value.to(value_cache.dtype).contiguous(),
             key_cache=key_cache, value_cache=value_cache,
-            slot_indices=A.slot_mapping_arg(slot_mapping))
+            slot_indices=npu_args.slot_mapping_arg(slot_mapping))
 
     def merge_attn_states(self, out_a, lse_a, out_b, lse_b):
         """npu_attention_update when present and float32; rows empty on both sides fixed up."""
         update = getattr(self.torch_npu, "npu_attention_update", None)
         if update is None or out_a.dtype != torch.float32 or out_a.numel() == 0:
-            return _portable_merge(out_a, lse_a, out_b, lse_b)
+            return merge_attn_states(out_a, lse_a, out_b, lse_b)
         t, h, d = out_a.shape
-        lses, outs = A.attention_update_inputs(out_a, lse_a, out_b, lse_b)
+        lses, outs = npu_args.attention_update_inputs(out_a, lse_a, out_b, lse_b)
         out, lse = update(lses, outs, 1)
         out, lse = out.view(t, h, d), lse.view(t, h)
         both_empty = torch.isneginf(lse_a) & torch.isneginf(lse_b)

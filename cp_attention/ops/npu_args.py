@@ -16,9 +16,9 @@ attention_score.md`` and ``torch_npu-npu_fusion_attention.md``) and vllm-ascend'
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
+
+from cp_attention.ops.paged_plan import KernelCall
 
 SPARSE_NONE = 0
 SPARSE_RIGHT_DOWN_CAUSAL = 3
@@ -107,130 +107,9 @@ def visible_rows_dense(cu_q: list[int], cu_k: list[int], causal: bool,
     return torch.cat(rows) if rows else torch.zeros(0, dtype=torch.bool)
 
 
-@dataclass(frozen=True)
-class VirtualRequest:
-    """One request of a kernel call: query rows ``rows`` (packed indices, consecutive),
-    the cache request ``source`` (block-table row), its first visible block ``block_offset``
-    and the visible key count ``kv_len`` counted from that block's start."""
-
-    rows: tuple[int, ...]
-    source: int
-    block_offset: int
-    kv_len: int
-
-
-@dataclass
-class KernelCall:
-    """One fused-attention call: the same sparse_mode/pre/next tokens for all requests."""
-
-    sparse_mode: int
-    pre_tokens: int
-    next_tokens: int
-    requests: list[VirtualRequest] = field(default_factory=list)
-
-    def query_rows(self) -> list[int]:
-        return [i for req in self.requests for i in req.rows]
-
-    def actual_seq_lengths(self) -> list[int]:
-        """Cumulative query ends (TND)."""
-        return cumulative_from_lengths([len(req.rows) for req in self.requests])
-
-    def actual_seq_lengths_kv(self) -> list[int]:
-        """Per-request kv lengths (PageAttention convention)."""
-        return [req.kv_len for req in self.requests]
-
-
-def _causal_end(hi: list[int], seq_len: int) -> int | None:
-    """E such that hi[i] == clip(E - n + 1 + i, 0, seq_len) for every row, else None."""
-    n = len(hi)
-    end = hi[-1]
-    expect = [min(max(end - n + 1 + i, 0), seq_len) for i in range(n)]
-    return end if expect == hi else None
-
-
-def classify_ranges(lo: list[int], hi: list[int], seq_len: int) -> tuple[str, int, int] | None:
-    """Classify one request's clipped per-query ranges ``[lo[i], hi[i])`` over its cache.
-
-    Returns (kind, kv_end, window) with kind "full" (every row sees ``[0, kv_end)``), "causal"
-    (bottom-right causal over ``[0, kv_end)``) or "band" (causal with window ``window``), or
-    None when no single sparse mode expresses the ranges.
-    """
-    if not hi:
-        return None
-    end = _causal_end(hi, seq_len)
-    if all(x == 0 for x in lo):
-        if all(x == hi[0] for x in hi):
-            return "full", hi[0], 0
-        if end is not None:
-            return "causal", end, 0
-        return None
-    if end is None:
-        return None
-    window = hi[-1] - lo[-1]
-    if window < 1:
-        return None
-    if lo == [max(h - window, 0) for h in hi] and all(
-            end - len(hi) + 1 + i >= 0 for i in range(len(hi))):
-        return "band", end, window
-    return None
-
-
-def plan_paged(cu_q: list[int], seq_lens: list[int], block_size: int,
-               kv_start: list[int] | None, kv_end: list[int] | None
-               ) -> tuple[list[KernelCall], torch.Tensor]:
-    """Split a paged-attention request set into fused-attention calls.
-
-    cu_q: [R + 1] cumulative query bounds; seq_lens: [R]; kv_start / kv_end: [Tq] or None.
-    Requests whose ranges one sparse mode expresses stay whole; the others are cut into
-    one-row requests (any ``[lo, hi)`` is a band of width ``hi - lo`` for a single row; when
-    ``lo`` falls on a block boundary it is a plain prefix of a shifted block table).
-    Returns the calls (grouped by sparse arguments) and a [Tq] bool of rows that see keys.
-    """
-    total = cu_q[-1]
-    visible = torch.zeros(total, dtype=torch.bool)
-    groups: dict[tuple[int, int, int], KernelCall] = {}
-
-    def add(kind: str, window: int, req: VirtualRequest) -> None:
-        if kind == "band":
-            mode, (pre, nxt) = SPARSE_BAND, band_tokens(window)
-        elif kind == "causal":
-            mode, pre, nxt = SPARSE_RIGHT_DOWN_CAUSAL, MAX_TOKENS, 0
-        else:
-            mode, pre, nxt = SPARSE_NONE, MAX_TOKENS, MAX_TOKENS
-        key = (mode, pre, nxt)
-        groups.setdefault(key, KernelCall(mode, pre, nxt)).requests.append(req)
-
-    for r, seq_len in enumerate(seq_lens):
-        qs, qe = cu_q[r], cu_q[r + 1]
-        if qe == qs or seq_len == 0:
-            continue
-        lo = [0] * (qe - qs) if kv_start is None else [min(max(x, 0), seq_len)
-                                                        for x in kv_start[qs:qe]]
-        hi = [seq_len] * (qe - qs) if kv_end is None else [min(max(x, 0), seq_len)
-                                                           for x in kv_end[qs:qe]]
-        rows = tuple(range(qs, qe))
-        for i, (a, b) in enumerate(zip(lo, hi)):
-            visible[qs + i] = b > a
-        kind = classify_ranges(lo, hi, seq_len)
-        if kind is not None and kind[1] > 0:
-            name, end, window = kind
-            if name == "band" and window >= end:
-                name = "causal"
-            add(name, window, VirtualRequest(rows, r, 0, end))
-            continue
-        if kind is not None:  # every row empty
-            continue
-        for i, (a, b) in enumerate(zip(lo, hi)):
-            if b <= a:
-                continue
-            shift = a // block_size
-            start = shift * block_size
-            row_req = VirtualRequest((qs + i,), r, shift, b - start)
-            if a == start:
-                add("full", 0, row_req)
-            else:
-                add("band", b - a, row_req)
-    return list(groups.values()), visible
+def call_sparse_args(call: KernelCall) -> tuple[int, int, int]:
+    """(sparse_mode, pre_tokens, next_tokens) of a planned paged call."""
+    return sparse_args(call.mask != "full", call.window)
 
 
 def gather_block_table(block_table: torch.Tensor, call: KernelCall) -> torch.Tensor:

@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from cp_attention.ops.checks import (validate_paged_inputs, validate_slot_mapping,
-                                     validate_varlen_inputs)
+from cp_attention.mathutils import ceil_div
+from cp_attention.ops.checks import check_cache_write_args, check_paged_args, check_varlen_args
+from cp_attention.ops.interface import accumulation_dtype, empty_result
 from cp_attention.ops.merge import merge_attn_states
 
 _QUERY_BLOCK = 512  # query rows per masked block
-
-
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
@@ -50,16 +47,10 @@ def _explicit(q, k, v, scale, causal, mask):
     return out, lse.transpose(0, 1)
 
 
-def _empty_result(q: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    out = torch.zeros(q.shape, dtype=acc, device=q.device)
-    lse = torch.full(q.shape[:2], float("-inf"), dtype=acc, device=q.device)
-    return out, lse
-
-
 def _ranged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
             lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Query i sees keys [lo[i], hi[i]). q/k/v already in the accumulation dtype."""
-    out, lse = _empty_result(q, q.dtype)
+    out, lse = empty_result(q, q.dtype)
     for start in range(0, q.shape[0], _QUERY_BLOCK):
         stop = min(start + _QUERY_BLOCK, q.shape[0])
         lo_b, hi_b = lo[start:stop], hi[start:stop]
@@ -85,10 +76,10 @@ def _ranged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
 def attend_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
                  causal: bool, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One request: q [nq, Hq, D], k/v [nk, Hkv, D] -> (out, lse) in the accumulation dtype."""
-    acc = _accumulation_dtype(q.dtype)
+    acc = accumulation_dtype(q.dtype)
     nq, nk = q.shape[0], k.shape[0]
     if nq == 0 or nk == 0:
-        return _empty_result(q, acc)
+        return empty_result(q, acc)
     q, k, v = q.to(acc), k.to(acc), v.to(acc)
     if window is not None:
         if not causal:
@@ -98,7 +89,7 @@ def attend_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: fl
     if not causal:
         return _fused(q, k, v, scale, False)
     if nq > nk:  # the first nq - nk queries see nothing
-        out, lse = _empty_result(q, acc)
+        out, lse = empty_result(q, acc)
         out[nq - nk:], lse[nq - nk:] = attend_dense(q[nq - nk:], k, v, scale=scale, causal=True)
         return out, lse
     diag_out, diag_lse = _fused(q, k[nk - nq:], v[nk - nq:], scale, True)
@@ -109,15 +100,19 @@ def attend_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: fl
 
 
 class ReferenceOps:
-    """Pure-torch ops: the tested default on every device."""
+    """Pure-torch ops: the tested default on every device.
+
+    Every call makes the O(1) argument checks of :mod:`cp_attention.ops.checks`; the O(n)
+    value checks (slot ranges, offsets, block ids) are the caller's, in debug mode.
+    """
 
     name = "reference"
 
     def varlen_attention(self, q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal,
                          window=None):
-        validate_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, window)
-        acc = _accumulation_dtype(q.dtype)
-        out, lse = _empty_result(q, acc)
+        check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, window, causal)
+        acc = accumulation_dtype(q.dtype)
+        out, lse = empty_result(q, acc)
         bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
         for r in range(len(bounds_q) - 1):
             qs, qe, ks, ke = bounds_q[r], bounds_q[r + 1], bounds_k[r], bounds_k[r + 1]
@@ -128,16 +123,16 @@ class ReferenceOps:
 
     def paged_attention(self, q, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens,
                         *, scale, kv_start=None, kv_end=None):
-        validate_paged_inputs(q, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens)
-        acc = _accumulation_dtype(q.dtype)
-        out, lse = _empty_result(q, acc)
+        check_paged_args(q, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens)
+        acc = accumulation_dtype(q.dtype)
+        out, lse = empty_result(q, acc)
         block_size = key_cache.shape[1]
         bounds_q, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
         for r, seq_len in enumerate(lens):
             qs, qe = bounds_q[r], bounds_q[r + 1]
             if qe == qs or seq_len == 0:
                 continue
-            blocks = block_table[r, : -(-seq_len // block_size)].long()
+            blocks = block_table[r, :ceil_div(seq_len, block_size)].long()
             k = key_cache[blocks].flatten(0, 1)[:seq_len].to(acc)
             v = value_cache[blocks].flatten(0, 1)[:seq_len].to(acc)
             q_r = q[qs:qe].to(acc)
@@ -154,8 +149,8 @@ class ReferenceOps:
 
     def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping):
         """Works on strided views too (e.g. a cache laid out as [blocks, heads, slots, D])."""
+        check_cache_write_args(key, value, key_cache, value_cache, slot_mapping)
         block_size = key_cache.shape[1]
-        validate_slot_mapping(slot_mapping, key_cache.shape[0] * block_size, key.shape[0])
         stored = slot_mapping >= 0
         slots = slot_mapping[stored].long()
         blocks, offsets = slots // block_size, slots % block_size

@@ -1,56 +1,24 @@
-"""Input checks the hot path does not make, as plain functions (call them at the entry points).
+"""Checks of a step, of rank coordinates and of the planned metadata (pure, no process groups).
 
-Every check raises a typed error that names the field and the offending value:
-  * :class:`StepError` (``ValueError``): a step / block table that would write outside the
-    request's blocks or into another request's blocks (cache corruption), or ranks that are
-    inconsistent with the config;
-  * :class:`AttentionLayerError` (``ValueError``): a forward call whose tensors do not match
-    the metadata, the layer or each other;
-  * :class:`OpsInputError` (``ValueError``): bad arguments to the attention primitives.
-
-``validate_rank_plans`` checks the per-rank metadata of one step against the DESIGN invariants
-(ownership, restore permutations, lengths, index ranges); the planner fuzzers use it.
+* :func:`validate_ranks`: coordinates consistent with the config (the builders call it once);
+* :func:`validate_step`: a step's block table against the cache (O(requests x blocks); the
+  builder calls it once per step);
+* :func:`validate_rank_plans`: the DESIGN invariants of one step's metadata over every
+  (pcp_rank, dcp_rank): ownership, restore permutations, lengths, index ranges (the planner
+  fuzzers and debug runs call it).
+Every check raises :class:`~cp_attention.errors.StepError` naming the field and the value.
 """
 from __future__ import annotations
 
-from typing import Sequence
-
 import numpy as np
-import torch
 
-from cp_attention.config import CPConfig
-from cp_attention.impl.base import AttentionLayerError
-from cp_attention.metadata.builder import AttentionMetadata
+from cp_attention.config import CPConfig, CPRanks, is_int
+from cp_attention.errors import StepError
+from cp_attention.mathutils import ceil_div
 from cp_attention.metadata.common import StepSpec, decode_mask
 from cp_attention.metadata.kv_layout import blocks_needed, kv_owner, local_count, local_position
-from cp_attention.ops.checks import (OpsInputError, validate_cu_seqlens, validate_kv_cache_shape_args,
-                                     validate_merge_inputs, validate_paged_inputs,
-                                     validate_slot_mapping, validate_varlen_inputs)
-from cp_attention.parallel import CPRanks
 
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-__all__ = ["AttentionLayerError", "OpsInputError", "StepError", "validate_cu_seqlens",
-           "validate_forward_inputs", "validate_kv_cache_shape_args", "validate_merge_inputs",
-           "validate_paged_inputs", "validate_rank", "validate_ranks", "validate_rank_plans",
-           "validate_slot_mapping", "validate_step", "validate_varlen_inputs"]
-
-
-class StepError(ValueError):
-    """A step, block table or rank coordinate that cannot be served safely."""
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
-# -- ranks ------------------------------------------------------------------------------------
-def validate_rank(config: CPConfig, rank) -> None:
-    """``rank`` is an integer in [0, world_size) (``CPRanks.of`` accepts 1.5 silently)."""
-    if not _is_int(rank):
-        raise StepError(f"rank must be an integer, got {rank!r} ({type(rank).__name__})")
-    if not 0 <= rank < config.world_size:
-        raise StepError(f"rank ({rank}) must be in [0, world_size={config.world_size})")
+__all__ = ["validate_rank_plans", "validate_ranks", "validate_step"]
 
 
 def validate_ranks(config: CPConfig, ranks: CPRanks) -> None:
@@ -58,14 +26,13 @@ def validate_ranks(config: CPConfig, ranks: CPRanks) -> None:
     for name, value, size in (("pcp_rank", ranks.pcp_rank, config.pcp_size),
                               ("tp_rank", ranks.tp_rank, config.tp_size),
                               ("dcp_rank", ranks.dcp_rank, config.dcp_size)):
-        if not _is_int(value) or not 0 <= value < size:
+        if not is_int(value) or not 0 <= value < size:
             raise StepError(f"{name} ({value!r}) must be an integer in [0, {size})")
     if ranks.dcp_rank != ranks.tp_rank % config.dcp_size:
         raise StepError(f"dcp_rank ({ranks.dcp_rank}) must equal tp_rank % dcp_size = "
                         f"{ranks.tp_rank} % {config.dcp_size} = {ranks.tp_rank % config.dcp_size}")
 
 
-# -- steps ------------------------------------------------------------------------------------
 def validate_step(step: StepSpec, config: CPConfig, num_blocks: int | None = None) -> None:
     """Checks of a step before it is planned (same on every rank). Costs O(R x max_blocks).
 
@@ -83,7 +50,7 @@ def validate_step(step: StepSpec, config: CPConfig, num_blocks: int | None = Non
         if needed[r] > have:
             raise StepError(f"block_table[{r}] has {have} blocks but request {r} needs "
                             f"{int(needed[r])} for {int(seq_lens[r])} tokens ({virtual} per block)")
-    if num_blocks is not None and (not _is_int(num_blocks) or num_blocks < 1):
+    if num_blocks is not None and (not is_int(num_blocks) or num_blocks < 1):
         raise StepError(f"num_blocks must be an integer >= 1, got {num_blocks!r}")
     written: dict[int, int] = {}  # block -> request writing it this step
     for r in range(step.num_reqs):
@@ -108,80 +75,6 @@ def validate_step(step: StepSpec, config: CPConfig, num_blocks: int | None = Non
                                 f"request {r2} in the same step (cache corruption)")
 
 
-# -- forward ----------------------------------------------------------------------------------
-def validate_forward_inputs(impl, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                            kv_cache: torch.Tensor | None, meta: AttentionMetadata,
-                            output: torch.Tensor | None, block_size: int | None = None,
-                            check_finite: bool = False) -> None:
-    """Checks ``BaseAttentionImpl._check_call`` does not make (call it right after it).
-
-    query/output: [T, Hq, D] or [T, Hq * D]; key/value: [T, Hkv, D] or flat; kv_cache:
-    (2, num_blocks, block_size, Hkv, D). ``block_size`` defaults to ``impl.config.block_size``
-    where the impl has a config (CP impls).
-    """
-    if output is None:
-        raise AttentionLayerError("output buffer is required (forward writes into it)")
-    for name, tensor in (("query", query), ("key", key), ("value", value), ("output", output)):
-        if not isinstance(tensor, torch.Tensor):
-            raise AttentionLayerError(f"{name} must be a tensor, got {type(tensor).__name__}")
-        if tensor.dtype not in FLOAT_DTYPES:
-            raise AttentionLayerError(f"{name} dtype {tensor.dtype} is not one of {FLOAT_DTYPES}")
-        if tensor.dim() not in (2, 3):
-            raise AttentionLayerError(f"{name} must be 2-D or 3-D, got shape {tuple(tensor.shape)}")
-    for name, tensor in (("key", key), ("value", value), ("output", output)):
-        if tensor.shape[0] != query.shape[0]:
-            raise AttentionLayerError(f"{name} has {tensor.shape[0]} rows but query has "
-                                      f"{query.shape[0]}")
-    if query.shape[0] < meta.num_input_tokens:
-        raise AttentionLayerError(f"query has {query.shape[0]} rows but the metadata was built "
-                                  f"for num_input_tokens={meta.num_input_tokens}")
-    if meta.local_token_idx.shape[0] != meta.num_input_tokens:
-        raise AttentionLayerError(f"metadata local_token_idx has {meta.local_token_idx.shape[0]}"
-                                  f" rows, num_input_tokens={meta.num_input_tokens}")
-    if output.data_ptr() in (query.data_ptr(), key.data_ptr(), value.data_ptr()) and output.numel():
-        raise AttentionLayerError("output must not alias query, key or value")
-    if check_finite:
-        rows = meta.num_actual_tokens
-        for name, tensor in (("query", query), ("key", key), ("value", value)):
-            if not bool(torch.isfinite(tensor[:rows]).all()):
-                raise AttentionLayerError(f"{name} holds NaN or inf in its first {rows} rows")
-    groups = getattr(impl, "groups", None)
-    if meta.pcp is not None and groups is not None and meta.pcp.pcp_rank != groups.ranks.pcp_rank:
-        raise AttentionLayerError(f"metadata was built for pcp_rank={meta.pcp.pcp_rank}, this "
-                                  f"rank is pcp_rank={groups.ranks.pcp_rank}")
-    config = getattr(impl, "config", None)
-    if meta.pcp is not None and config is not None and meta.pcp.pcp_size != config.pcp_size:
-        raise AttentionLayerError(f"metadata was built for pcp_size={meta.pcp.pcp_size}, the "
-                                  f"impl uses pcp_size={config.pcp_size}")
-    if block_size is None and config is not None:
-        block_size = config.block_size
-    if kv_cache is None or getattr(impl, "attn_type", "decoder") != "decoder":
-        return
-    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
-        raise AttentionLayerError(f"kv_cache shape {tuple(kv_cache.shape)} must be "
-                                  "(2, num_blocks, block_size, num_kv_heads, head_size)")
-    if kv_cache.device != query.device:
-        raise AttentionLayerError(f"kv_cache is on {kv_cache.device}, query on {query.device}")
-    num_blocks, cache_block = kv_cache.shape[1], kv_cache.shape[2]
-    if block_size is not None and cache_block != block_size:
-        raise AttentionLayerError(f"kv_cache block_size {cache_block} != the metadata's "
-                                  f"block_size {block_size}")
-    validate_slot_mapping(meta.step_slot_mapping, num_blocks * cache_block,
-                          error=AttentionLayerError)
-    if meta.has_context and meta.ctx_block_table.numel():
-        lens = meta.ctx_seq_lens.cpu().numpy()
-        table = meta.ctx_block_table.cpu().numpy()
-        used = np.arange(table.shape[1])[None, :] < -(-lens[:, None] // cache_block)
-        if -(-lens.max() // cache_block) > table.shape[1]:
-            raise AttentionLayerError(f"ctx_block_table has {table.shape[1]} blocks but a request "
-                                      f"holds {int(lens.max())} tokens of {cache_block}-token blocks")
-        bad = table[used][(table[used] < 0) | (table[used] >= num_blocks)]
-        if len(bad):
-            raise AttentionLayerError(f"ctx_block_table holds block {int(bad[0])} outside the "
-                                      f"kv_cache's [0, {num_blocks})")
-
-
-# -- planner invariants -----------------------------------------------------------------------
 def _expected_rows(step: StepSpec, config: CPConfig) -> tuple[np.ndarray, np.ndarray]:
     """(request, offset) of every step row: decode rows, then each prefill padded to 2*pcp*c."""
     scheduled = np.asarray(step.num_scheduled_tokens, dtype=np.int64)
@@ -192,15 +85,17 @@ def _expected_rows(step: StepSpec, config: CPConfig) -> tuple[np.ndarray, np.nda
         offs += list(range(scheduled[r]))
     for r in np.nonzero(~is_decode)[0]:
         n = scheduled[r]
-        padded = n if config.pcp_size == 1 else -(-n // (2 * config.pcp_size)) * 2 * config.pcp_size
+        padded = n if config.pcp_size == 1 else ceil_div(n, 2 * config.pcp_size) * 2 * config.pcp_size
         reqs += [r] * padded
         offs += list(range(padded))
     return np.asarray(reqs, dtype=np.int64), np.asarray(offs, dtype=np.int64)
 
 
-def validate_rank_plans(step: StepSpec, config: CPConfig,
-                        metas: dict[tuple[int, int], AttentionMetadata]) -> None:
+def validate_rank_plans(step: StepSpec, config: CPConfig, metas: dict) -> None:
     """Invariants of one step's metadata over every (pcp_rank, dcp_rank) (raises StepError).
+
+    metas: ``{(pcp_rank, dcp_rank): AttentionMetadata}`` of every rank (the builder module
+    imports this one, so the type is named here only).
 
     * every step token is written exactly once per KV shard group, at the DESIGN slot;
     * the union of real local rows over PCP ranks is every step token, decodes on every rank;
@@ -281,9 +176,9 @@ def validate_rank_plans(step: StepSpec, config: CPConfig,
         fail(f"context lengths over shards sum to {ctx_total.tolist()}, expected {computed.tolist()}")
 
 
-def _check_rank_ranges(meta: AttentionMetadata, cfg: CPConfig, computed: np.ndarray, p: int,
+def _check_rank_ranges(meta, cfg: CPConfig, computed: np.ndarray, p: int,
                        d: int, fail) -> None:
-    """Per-rank lengths, cu_seqlens and index ranges."""
+    """Per-rank lengths, cu_seqlens and index ranges of one rank's ``AttentionMetadata``."""
     where = f"rank ({p},{d})"
     split = meta.pcp
     if split is not None:
