@@ -1,6 +1,8 @@
-"""The few collectives the CP paths use, with byte accounting and gloo fallbacks.
+"""The few collectives the CP paths use, with byte accounting.
 
-Every function takes a process group; ``None`` means a group of one rank (identity).
+Every function takes a process group; ``None`` means a group of one rank (identity). Where a
+backend lacks a collective, the fallback is chosen up front from the backend's name, never by
+catching the collective's error (a failed collective, e.g. a dead peer's timeout, propagates).
 """
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import torch.distributed as dist
 # torch >= 2.13 names the tensor-in/tensor-out collectives *_single; older releases do not.
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# Backends with a tensor reduce-scatter (gloo's exists in torch 2.13); others: all-reduce + slice.
+REDUCE_SCATTER_BACKENDS = frozenset({"gloo", "nccl", "hccl"})
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
@@ -27,11 +31,14 @@ class Communicator:
     """Runs collectives and counts the bytes this rank sends, per collective name.
 
     Bytes are those a ring algorithm sends from this rank: all-gather (w-1) x input,
-    reduce-scatter and all-to-all (w-1)/w x input.
+    reduce-scatter and all-to-all (w-1)/w x input, all-reduce 2 (w-1)/w x input.
+    reduce_scatter_backends: backends whose tensor reduce-scatter is used; on the others
+    ``reduce_scatter`` is an all-reduce and a slice.
     """
 
     bytes_sent: dict[str, int] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=dict)
+    reduce_scatter_backends: frozenset[str] = REDUCE_SCATTER_BACKENDS
 
     def _count(self, name: str, nbytes: int) -> None:
         self.bytes_sent[name] = self.bytes_sent.get(name, 0) + nbytes
@@ -81,14 +88,15 @@ class Communicator:
             raise ValueError(f"reduce_scatter: dim {dim} of size {tensor.shape[dim]} is not "
                              f"divisible by the group size {world}")
         parts = torch.cat(tensor.chunk(world, dim=dim), dim=0).contiguous() if dim else tensor.contiguous()
+        nbytes = parts.numel() * parts.element_size()
+        if str(dist.get_backend(group)) not in self.reduce_scatter_backends:
+            self._count("all_reduce", nbytes * 2 * (world - 1) // world)
+            dist.all_reduce(parts, group=group)
+            return parts.chunk(world, dim=0)[group_rank(group)].clone()
         out = torch.empty((parts.shape[0] // world,) + parts.shape[1:], dtype=parts.dtype,
                           device=parts.device)
-        self._count("reduce_scatter", parts.numel() * parts.element_size() * (world - 1) // world)
-        try:
-            _reduce_scatter_tensor(out, parts, group=group)
-        except (RuntimeError, NotImplementedError):  # backend without reduce-scatter
-            dist.all_reduce(parts, group=group)
-            out = parts.chunk(world, dim=0)[group_rank(group)].clone()
+        self._count("reduce_scatter", nbytes * (world - 1) // world)
+        _reduce_scatter_tensor(out, parts, group=group)
         return out
 
     def all_to_all(self, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

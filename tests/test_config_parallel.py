@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-from cp_attention import CPConfig, CPRanks, heads_of_rank
+from cp_attention import CPConfig, CPRanks, comm, heads_of_rank
 from cp_attention.parallel import backend_for_device
 
 
@@ -87,5 +88,27 @@ def test_groups_and_collectives(pools, cfg):
             factor = sum(m + 1 for m in members)
             full = [[float(2 * i + j) * factor for j in range(2)] for i in range(2 * size)]
             assert info["summed"] == full[2 * me:2 * me + 2]
+            assert info["summed_fallback"] == full[2 * me:2 * me + 2]
             assert info["summed_dim1"] == [[float(factor)] * 2] * 3
             assert info["a2a"] == [float(me + 100 * m) for m in members]
+
+
+def test_reduce_scatter_failure_propagates(monkeypatch):
+    """A failing reduce-scatter (e.g. a dead peer's timeout) raises; no second collective runs."""
+    started = []
+
+    def failing_reduce_scatter(out, parts, group=None):
+        started.append("reduce_scatter")
+        raise RuntimeError("Timed out waiting 4000ms for recv operation to complete")
+
+    monkeypatch.setattr(comm, "group_size", lambda group: 2)
+    monkeypatch.setattr(comm.dist, "get_backend", lambda group: "gloo")
+    monkeypatch.setattr(comm, "_reduce_scatter_tensor", failing_reduce_scatter)
+    monkeypatch.setattr(comm.dist, "all_reduce", lambda *a, **k: started.append("all_reduce"))
+    with pytest.raises(RuntimeError, match="Timed out"):
+        comm.Communicator().reduce_scatter(torch.ones(4, 2), object())
+    assert started == ["reduce_scatter"]
+    monkeypatch.setattr(comm.dist, "get_backend", lambda group: "mpi")  # no tensor reduce-scatter
+    monkeypatch.setattr(comm, "group_rank", lambda group: 1)
+    out = comm.Communicator().reduce_scatter(torch.arange(8.0).view(4, 2), object())
+    assert started == ["reduce_scatter", "all_reduce"] and out.tolist() == [[4.0, 5.0], [6.0, 7.0]]

@@ -22,6 +22,9 @@ def collectives_task(rank: int, get_groups, config: CPConfig) -> dict:
         summed = comm.reduce_scatter(torch.arange(size * 4, dtype=torch.float32).view(size * 2, 2)
                                      * (rank + 1), group)
         summed_dim1 = comm.reduce_scatter(torch.ones(3, size * 2) * (rank + 1), group, dim=1)
+        # the all-reduce path taken for backends without a tensor reduce-scatter
+        summed_fallback = Communicator(reduce_scatter_backends=frozenset()).reduce_scatter(
+            torch.arange(size * 4, dtype=torch.float32).view(size * 2, 2) * (rank + 1), group)
         a2a = comm.all_to_all(torch.arange(size, dtype=torch.float32).view(size, 1) + 100 * rank, group)
         members = [None] * size
         if group is not None:
@@ -30,6 +33,7 @@ def collectives_task(rank: int, get_groups, config: CPConfig) -> dict:
             members = [rank]
         seen[name] = dict(size=size, me=me, members=members, gathered=gathered[:, 0].tolist(),
                           gathered_dim1_shape=tuple(gathered_dim1.shape), summed=summed.tolist(),
-                          summed_dim1=summed_dim1.tolist(), a2a=a2a[:, 0].tolist())
+                          summed_dim1=summed_dim1.tolist(), summed_fallback=summed_fallback.tolist(),
+                          a2a=a2a[:, 0].tolist())
     seen["bytes"] = dict(comm.bytes_sent)
     return seen

@@ -16,6 +16,8 @@ from datetime import timedelta
 
 import torch.multiprocessing as mp
 
+from cp_attention.parallel import CPGroups
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -26,8 +28,6 @@ def free_port() -> int:
 def _worker(rank: int, world: int, port: int, inbox, outbox, collective_timeout_s: float) -> None:
     import torch
     import torch.distributed as dist
-
-    from cp_attention.parallel import CPGroups
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,

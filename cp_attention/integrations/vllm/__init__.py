@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import os
 
+from cp_attention.integrations.vllm.slot_mapping import install_slot_mapping_shim
+
 ENV_ENABLE = "CP_ATTENTION_VLLM"
 BACKEND_CLASS_PATH = "cp_attention.integrations.vllm.backend.CPVllmBackend"
 LOGGER_NAME = "vllm.cp_attention"  # under vLLM's logger, so its handlers print our lines
@@ -47,8 +49,6 @@ def register() -> None:
                     "(CPU_ATTN); GPU/NPU builds of vLLM ship their own DCP backends", ENV_ENABLE)
         return
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-
-    from cp_attention.integrations.vllm.slot_mapping import install_slot_mapping_shim
 
     register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_CLASS_PATH)
     install_slot_mapping_shim()
