@@ -18,8 +18,8 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import (human_tokens, new_figure, parse_args, save_figure, token_ticks,
-                               write_json)
+from benchmarks.common import (human_tokens, new_figure, parse_args, save_figure, series_colors,
+                               token_ticks, write_json)
 from cp_attention import costmodel as cm
 from cp_attention.config import CPConfig
 from cp_attention.testing.pool import RankPool
@@ -115,12 +115,15 @@ def run(out_dir: str | Path, quick: bool = False) -> dict:
 def _plot(payload, out_dir) -> None:
     fig, (ax1, ax2) = new_figure(2)
     rows = payload["formula_prefill"]["rows"]
-    for i, pcp in enumerate(sorted({r["pcp"] for r in rows})):
+    prefill_pcps = sorted({r["pcp"] for r in rows})
+    combos = sorted({(r["pcp"], r["dcp"]) for r in payload["formula_decode"]["rows"]})
+    colors = series_colors([(pcp, 1) for pcp in prefill_pcps] + combos)  # (pcp, dcp): both panels
+    for pcp in prefill_pcps:
         mine = [r for r in rows if r["pcp"] == pcp]
         x = [r["prompt"] for r in mine]
-        ax1.plot(x, [r["bytes_per_layer"] / 2**20 for r in mine], "-o", color=f"C{i}",
+        ax1.plot(x, [r["bytes_per_layer"] / 2**20 for r in mine], "-o", color=colors[(pcp, 1)],
                  label=f"pcp={pcp} (formula)")
-        ax1.plot(x, [r["lower_bound"] / 2**20 for r in mine], ":", color=f"C{i}",
+        ax1.plot(x, [r["lower_bound"] / 2**20 for r in mine], ":", color=colors[(pcp, 1)],
                  label=f"pcp={pcp} bound (N-1)/N KV (coincides)")
     measured = [r for r in payload["measured"]["rows"] if r["pcp"] > 1]
     for i, r in enumerate(measured):
@@ -133,13 +136,13 @@ def _plot(payload, out_dir) -> None:
     ax1.legend(fontsize=7)
     ax1.grid(alpha=0.3)
     rows = payload["formula_decode"]["rows"]
-    combos = sorted({(r["pcp"], r["dcp"]) for r in rows})
-    for i, (pcp, dcp) in enumerate(combos):
+    for pcp, dcp in combos:
         mine = [r for r in rows if (r["pcp"], r["dcp"]) == (pcp, dcp)]
         x = [r["context"] for r in mine]
-        ax2.plot(x, [r["bytes_per_layer"] / 1024 for r in mine], "-o", color=f"C{i}",
+        color = colors[(pcp, dcp)]
+        ax2.plot(x, [r["bytes_per_layer"] / 1024 for r in mine], "-o", color=color,
                  label=f"pcp={pcp} dcp={dcp}: CP decode")
-        ax2.plot(x, [r["naive_context_gather_bytes"] / 1024 for r in mine], ":", color=f"C{i}")
+        ax2.plot(x, [r["naive_context_gather_bytes"] / 1024 for r in mine], ":", color=color)
     ax2.plot([], [], "k:", label="dotted: gather the context instead")
     ax2.set(xscale="log", yscale="log", xlabel="context tokens", ylabel="KiB sent per rank per layer",
             title="decode step, batch 1 (mla-671b shape, tp=8)")

@@ -27,8 +27,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import (human_tokens, new_figure, parse_args, save_figure, token_ticks,
-                               write_json)
+from benchmarks.common import (human_tokens, new_figure, parse_args, save_figure, series_colors,
+                               token_ticks, write_json)
 from cp_attention import costmodel as cm
 from cp_attention.testing.pool import RankPool
 
@@ -173,24 +173,26 @@ def run(out_dir: str | Path, quick: bool = False) -> dict:
 def _plot(payload, prompts, out_dir) -> None:
     fig, (ax1, ax2, ax3) = new_figure(3, width=5.2)
     styles = {"h100-sxm": "-", "h200-sxm": "--", "ascend-910b": ":"}
+    combos = sorted({(r["pcp"], r["dcp"]) for r in payload["predictions"]["decode_speedup"]})
+    colors = series_colors([(pcp, 1) for pcp in (2, 4, 8)] + combos)  # (pcp, dcp): both panels
     rows = payload["predictions"]["prefill_efficiency"]
     for dev, style in styles.items():
-        for i, pcp in enumerate((2, 4, 8)):
+        for pcp in (2, 4, 8):
             mine = [r for r in rows if r["device"] == dev and r["pcp"] == pcp]
             ax1.plot([r["prompt"] for r in mine], [r["efficiency"] for r in mine], style,
-                     marker="o", color=f"C{i}", label=f"pcp={pcp}" if dev == "h100-sxm" else None)
+                     marker="o", color=colors[(pcp, 1)],
+                     label=f"pcp={pcp}" if dev == "h100-sxm" else None)
     ax1.set(xscale="log", xlabel="prompt tokens", ylabel="predicted parallel efficiency",
             title="PCP prefill (llama3-70b, tp=8)\n- H100, -- H200 (same: compute-bound), : 910B")
     token_ticks(ax1, prompts)
     ax1.legend(fontsize=6, ncol=1)
     ax1.grid(alpha=0.3)
     rows = payload["predictions"]["decode_speedup"]
-    combos = sorted({(r["pcp"], r["dcp"]) for r in rows})
     for dev, style in styles.items():
-        for i, combo in enumerate(combos):
+        for combo in combos:
             mine = [r for r in rows if r["device"] == dev and (r["pcp"], r["dcp"]) == combo]
             ax2.plot([r["context"] for r in mine], [r["speedup_over_1x1"] for r in mine], style,
-                     marker=".", color=f"C{i}",
+                     marker=".", color=colors[combo],
                      label=f"pcp={combo[0]} dcp={combo[1]}" if dev == "h100-sxm" else None)
     ax2.set(xscale="log", xlabel="context tokens", ylabel="decode step speedup vs pcp=dcp=1",
             title="decode (MLA-style, 1 KV head, tp=8, batch 8)\n- H100, -- H200, : 910B")

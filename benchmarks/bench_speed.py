@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from benchmarks.common import (enable_torch_ring_cp_on_cpu, human_tokens, new_figure,
-                               parse_args, save_figure, write_json)
+                               parse_args, save_figure, series_colors, write_json)
 from cp_attention.backend import CPAttentionBackend
 from cp_attention.config import CPConfig, CPRanks
 from cp_attention.metadata.common import StepSpec
@@ -68,7 +68,8 @@ def time_forward(pcp: int, rank: int, groups, tokens: int, repeats: int) -> dict
         impl.forward(None, q, k, v, cache, meta, output=out)
         cpus.append(time.process_time() - cpu)
         walls.append(time.perf_counter() - wall)
-    return {"wall_s": min(walls), "cpu_s": min(cpus), "walls": walls}
+    return {"wall_s": min(walls), "cpu_s": min(cpus), "walls": walls,
+            "local_rows": meta.num_actual_tokens, "output_finite": bool(out.isfinite().all())}
 
 
 def cp_task(rank: int, get_groups, tokens: int, repeats: int = 1) -> dict:
@@ -136,7 +137,12 @@ def run(out_dir: str | Path, quick: bool = False, sizes=None, repeats: int | Non
                              "pcp1_gflops": flops / s1 / 1e9,
                              "samples": {"pcp1": one["walls"], "pcp2": [r["walls"] for r in two],
                                          "torch_ring": [r["walls"] for r in ring]},
-                             "torch_ring_calls_per_rank": min(r["ring_calls"] for r in ring)})
+                             "torch_ring_calls_per_rank": min(r["ring_calls"] for r in ring),
+                             "local_rows": {"pcp1": one["local_rows"],
+                                            "pcp2": [r["local_rows"] for r in two],
+                                            "torch_ring": [r["local_rows"] for r in ring]},
+                             "outputs_finite": one["output_finite"]
+                             and all(r["output_finite"] for r in two)})
     finally:
         torch.set_num_threads(threads)
     from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
@@ -153,26 +159,33 @@ def run(out_dir: str | Path, quick: bool = False, sizes=None, repeats: int | Non
     return payload
 
 
-def _plot(rows, out_dir) -> None:
+SERIES = (("pcp1_s", None, "pcp=1 (1 rank)"),
+          ("pcp2_s", "speedup_pcp2", "cp_attention pcp=2"),
+          ("torch_ring_s", "speedup_torch_ring", "torch ring CP, 2 ranks"))
+
+
+def _plot(rows, out_dir):
+    """Times (left) and speedups (right); one colour per series in both panels."""
     fig, (ax1, ax2) = new_figure(2)
+    colors = series_colors(key for key, _, _ in SERIES)
     x = list(range(len(rows)))
     labels = [human_tokens(r["tokens"]) for r in rows]
     width = 0.27
-    for i, (key, label) in enumerate((("pcp1_s", "pcp=1 (1 rank)"),
-                                      ("pcp2_s", "cp_attention pcp=2"),
-                                      ("torch_ring_s", "torch ring CP, 2 ranks"))):
-        ax1.bar([xi + (i - 1) * width for xi in x], [r[key] for r in rows], width, label=label)
+    for i, (key, speedup, label) in enumerate(SERIES):
+        ax1.bar([xi + (i - 1) * width for xi in x], [r[key] for r in rows], width, label=label,
+                color=colors[key])
+        if speedup is not None:
+            ax2.plot(labels, [r[speedup] for r in rows], "-o", label=label, color=colors[key])
     ax1.set_xticks(x, labels)
     ax1.set(xlabel="prompt tokens", ylabel="wall seconds (one layer)", title="causal prefill time")
     ax1.legend(fontsize=8)
-    ax2.plot(labels, [r["speedup_pcp2"] for r in rows], "-o", label="cp_attention pcp=2")
-    ax2.plot(labels, [r["speedup_torch_ring"] for r in rows], "-s", label="torch ring CP (2)")
     ax2.axhline(2.0, color="grey", ls=":", label="ideal (2 ranks)")
     ax2.set(xlabel="prompt tokens", ylabel="speedup over pcp=1", ylim=(0, 2.2),
             title="speedup (2 ranks on a shared 2-core CPU)")
     ax2.legend(fontsize=8)
     ax2.grid(alpha=0.3)
     save_figure(fig, out_dir, NAME)
+    return fig
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -68,6 +68,12 @@ def new_figure(ncols: int = 1, width: float = 6.0, height: float = 4.2):
     return fig, list(axes[0])
 
 
+def series_colors(keys) -> dict:
+    """One colour per series key, in the order given: pass every panel's keys at once so that
+    the same series has the same colour in every panel of a figure."""
+    return {key: f"C{i % 10}" for i, key in enumerate(dict.fromkeys(keys))}
+
+
 def save_figure(fig, out_dir: str | Path, name: str) -> Path:
     import matplotlib.pyplot as plt
     out = Path(out_dir)

@@ -24,6 +24,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from cp_attention.mathutils import ceil_div
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -136,7 +138,7 @@ def prefill_comm_bytes(model: ModelShape, prompt: int, pcp: int, tp: int = 1,
     if pcp == 1:
         return 0
     b = model.dtype_bytes if dtype_bytes is None else dtype_bytes
-    chunk = -(-prompt // (2 * pcp))
+    chunk = ceil_div(prompt, 2 * pcp)
     return 2 * chunk * 2 * model.kv_heads_per_rank(tp) * model.head_size * b * (pcp - 1)
 
 
@@ -178,7 +180,7 @@ def naive_context_gather_bytes(model: ModelShape, context: int, world: int, tp: 
 def prefill_estimate(model: ModelShape, device: Device, prompt: int, pcp: int = 1,
                      tp: int = 1, dcp: int = 1) -> Estimate:
     """Per-rank time of a no-context causal prefill of ``prompt`` tokens (all layers)."""
-    chunk = -(-prompt // (2 * pcp))
+    chunk = ceil_div(prompt, 2 * pcp)
     pairs = 2 * pcp * chunk * chunk + chunk  # query-key pairs per rank and head
     attn = 4 * model.q_heads_per_rank(tp) * model.head_size * pairs
     dense = model.dense_flops_per_token * 2 * chunk / tp
@@ -227,10 +229,6 @@ def prefill_efficiency(model: ModelShape, device: Device, prompt: int, pcp: int,
     """Parallel efficiency of PCP prefill: t(pcp=1) / (pcp * t(pcp)) at the same tp."""
     base = prefill_estimate(model, device, prompt, 1, tp).total_s
     return base / (pcp * prefill_estimate(model, device, prompt, pcp, tp).total_s)
-
-
-def prefill_speedup(model: ModelShape, device: Device, prompt: int, pcp: int, tp: int = 1) -> float:
-    return pcp * prefill_efficiency(model, device, prompt, pcp, tp)
 
 
 # -- recommendation ---------------------------------------------------------------------------

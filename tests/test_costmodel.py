@@ -1,7 +1,7 @@
 """Cost model: hand-computed values, monotonicity, recommendations."""
 from __future__ import annotations
 
-import math
+import re
 
 import pytest
 
@@ -115,8 +115,31 @@ def test_recommend():
     assert choices[0].efficiency == pytest.approx(1.0)
 
 
-def test_presets_cited_and_positive():
-    for dev in cm.PRESETS.values():
-        assert dev.source and dev.flops > 0 and dev.hbm_bw > 0 and dev.link_bw > 0
-        assert 0 < dev.efficiency <= 1 and dev.link_latency_s > 0
-    assert math.isclose(cm.PRESETS["h100-sxm"].flops, 989e12)
+def _cited(source: str, unit: str) -> set[float]:
+    """Numbers written before ``unit`` in a preset's source text (``~`` allowed)."""
+    return {float(x) for x in re.findall(r"~?(\d+(?:\.\d+)?) " + re.escape(unit), source)}
+
+
+@pytest.mark.parametrize("name", [n for n in cm.PRESETS if not n.startswith("cpu")])
+def test_preset_figures_match_their_cited_source(name):
+    """Each datasheet preset holds the numbers its ``source`` cites (a typo or a changed
+    figure without a new citation fails here)."""
+    dev = cm.PRESETS[name]
+    assert dev.flops / 1e12 in _cited(dev.source, "TFLOP/s")
+    assert dev.hbm_bytes / 1e9 in _cited(dev.source, "GB")
+    assert dev.hbm_bw / 1e12 in _cited(dev.source, "TB/s")
+    links = _cited(dev.source, "GB/s")
+    assert dev.link_bw / 1e9 in links or 2 * dev.link_bw / 1e9 in links  # per direction
+    assert 0 < dev.efficiency <= 1 and dev.link_latency_s > 0
+
+
+def test_estimates_follow_the_device_figures():
+    """Decode reads the KV cache (HBM bound), prefill computes: each moves with its figure."""
+    model, h100, h200 = cm.MODELS["llama3-70b"], cm.PRESETS["h100-sxm"], cm.PRESETS["h200-sxm"]
+    dec100 = cm.decode_estimate(model, h100, context=1 << 17, batch=8, tp=8)
+    dec200 = cm.decode_estimate(model, h200, context=1 << 17, batch=8, tp=8)
+    assert dec200.compute_s == pytest.approx(dec100.compute_s * h100.hbm_bw / h200.hbm_bw)
+    assert dec200.comm_s == pytest.approx(dec100.comm_s)  # same links
+    pre100 = cm.prefill_estimate(model, h100, 1 << 15, pcp=2, tp=8)
+    pre200 = cm.prefill_estimate(model, h200, 1 << 15, pcp=2, tp=8)
+    assert pre200.compute_s == pytest.approx(pre100.compute_s)  # same FLOP/s

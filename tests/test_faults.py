@@ -20,6 +20,7 @@ from numerics_tasks import fault_worker, run_checked
 
 CP4 = CPConfig(pcp_size=2, tp_size=2, dcp_size=2)  # world 4: PCP and DCP groups
 STEPS = (((0, 37), (1, 9)), ((0, 1), (1, 1)), ((0, 2), (2, 20)), ((0, 1), (1, 1), (2, 1)))
+COLLECTIVE_ERRORS = {"RuntimeError", "DistBackendError", "DistNetworkError", "DistStoreError"}
 
 
 def workload(config: CPConfig, **kwargs) -> Workload:
@@ -102,7 +103,9 @@ def test_survivors_fail_within_timeout(fault: str) -> None:
     assert sorted(results) == survivors, f"survivors that never reported: {results}"
     for rank, (kind, message, seconds) in results.items():
         assert kind != "ok", f"rank {rank} finished a forward without its peer"
-        assert kind == "RuntimeError" or "Error" in kind, (rank, kind, message)
+        # the collective failed (torch.distributed's errors), not our code (ValueError,
+        # AssertionError, StepMismatchError, ...) on the way to it
+        assert kind in COLLECTIVE_ERRORS, (rank, kind, message)
         assert seconds < FAULT_TIMEOUT_S + MARGIN_S, (rank, seconds, message)
         # gloo names the failure: a timeout, or the peer's closed connection
         assert any(word in message.lower() for word in ("timed out", "timeout", "closed",
