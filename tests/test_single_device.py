@@ -5,7 +5,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from cp_attention import (AttentionState, CPAttentionBackend, CPConfig, MetadataBuilder, StepSpec)
+from cp_attention import (AttentionMetadata, AttentionState, CPAttentionBackend, CPConfig,
+                          MetadataBuilder, StepSpec)
 from cp_attention.errors import AttentionLayerError
 from cp_attention.impl.base import BaseAttentionImpl
 from cp_attention.testing.workload import Workload, run_workload
@@ -108,6 +109,7 @@ def test_graph_capture_padding_zeroes_extra_rows():
 def test_backend_surface_and_routing():
     backend = CPAttentionBackend
     assert backend.get_name() == "CP_ATTENTION"
+    assert backend.get_metadata_cls() is AttentionMetadata
     assert backend.get_kv_cache_shape(10, 16, 2, 64) == (2, 10, 16, 2, 64)
     assert backend.get_bsh_kv_cache_shape(10, 16, 2, 64) == (2, 10, 16, 128)
     assert 16 in backend.get_supported_block_sizes() and 128 in backend.get_supported_block_sizes()

@@ -36,15 +36,6 @@ def cumulative_lengths(cu_seqlens: torch.Tensor) -> list[int]:
     return bounds[1:]
 
 
-def cumulative_from_lengths(lengths: list[int]) -> list[int]:
-    """Per-request lengths -> cumulative end offsets (TND convention)."""
-    out, total = [], 0
-    for n in lengths:
-        total += int(n)
-        out.append(total)
-    return out
-
-
 def band_tokens(window: int) -> tuple[int, int]:
     """(pre_tokens, next_tokens) for a causal sliding window of ``window`` keys.
 
