@@ -10,6 +10,8 @@ unsupported options). The ops themselves check only O(1) argument shapes.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from cp_attention.errors import AttentionLayerError, OpsInputError
@@ -71,8 +73,9 @@ def _check_tensors(impl, query, key, value, output, meta: AttentionMetadata) -> 
             raise AttentionLayerError(f"{name} must be 2-D or 3-D, got shape {tuple(tensor.shape)}")
         if tensor.shape[0] != rows:
             raise AttentionLayerError(f"{name} has {tensor.shape[0]} rows but query has {rows}")
-        if tensor[0].numel() != heads * impl.head_size:
-            raise AttentionLayerError(f"{name} rows hold {tensor[0].numel()} values, expected "
+        row_size = math.prod(tensor.shape[1:])
+        if row_size != heads * impl.head_size:
+            raise AttentionLayerError(f"{name} rows hold {row_size} values, expected "
                                       f"{heads} heads x {impl.head_size}")
         if tensor.device != query.device:
             raise AttentionLayerError(f"{name} is on {tensor.device}, query on {query.device}")
