@@ -16,7 +16,7 @@ if __package__ in (None, ""):
 from benchmarks.common import REPO_ROOT
 
 ORDER = ("bench_load_balance", "bench_comm", "bench_speed", "bench_metadata",
-         "bench_op_overhead", "bench_cost_model")
+         "bench_op_overhead", "bench_forward_checks", "bench_cost_model")
 
 
 def main(argv: list[str] | None = None) -> None:

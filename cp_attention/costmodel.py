@@ -109,7 +109,6 @@ class Estimate:
     compute_s: float
     comm_s: float
     comm_bytes_per_layer: int
-    collectives_per_layer: int
     kv_bytes_per_rank: float
 
     @property
@@ -188,7 +187,7 @@ def prefill_estimate(model: ModelShape, device: Device, prompt: int, pcp: int = 
     nbytes = prefill_comm_bytes(model, prompt, pcp, tp)
     comm = model.num_layers * collective_seconds(device, pcp, nbytes)
     kv = _kv_bytes(model, prompt, 1, pcp * dcp, tp)
-    return Estimate(compute, comm, nbytes, 1 if pcp > 1 else 0, kv)
+    return Estimate(compute, comm, nbytes, kv)
 
 
 def decode_estimate(model: ModelShape, device: Device, context: int, batch: int = 1,
@@ -215,7 +214,7 @@ def decode_estimate(model: ModelShape, device: Device, context: int, batch: int 
         per_layer += collective_seconds(device, pcp,
                                         pcp * batch * hq * (d + 1) * 4 * (pcp - 1) // pcp)
     kv = _kv_bytes(model, context, batch, pcp * dcp, tp)
-    return Estimate(compute, model.num_layers * per_layer, nbytes, decode_collectives(pcp, dcp), kv)
+    return Estimate(compute, model.num_layers * per_layer, nbytes, kv)
 
 
 def _kv_bytes(model: ModelShape, tokens: int, batch: int, shards: int, tp: int) -> float:

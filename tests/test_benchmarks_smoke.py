@@ -7,8 +7,8 @@ import math
 import pytest
 from matplotlib.colors import to_rgba
 
-from benchmarks import (bench_comm, bench_cost_model, bench_load_balance, bench_metadata,
-                        bench_op_overhead, bench_speed)
+from benchmarks import (bench_comm, bench_cost_model, bench_forward_checks, bench_load_balance,
+                        bench_metadata, bench_op_overhead, bench_speed)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -105,6 +105,14 @@ def test_op_overhead(out):
     for r in data["rows"]:
         assert r["max_abs_diff"] < 1e-5  # same kernel underneath: same numbers
         assert 0.1 < r["overhead_ratio"] < 10 and math.isfinite(r["overhead_ratio"])
+
+
+def test_forward_checks(out):
+    bench_forward_checks.run(out, quick=True)
+    data = _load(out, "bench_forward_checks")
+    assert [r["num_reqs"] for r in data["rows"]] == [1, 16]
+    for r in data["rows"]:
+        assert 0 < r["check_us"] < r["forward_us"] and r["debug_us"] > 0
 
 
 def test_speed_plot_uses_one_colour_per_series(tmp_path):
