@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+import cp_attention
+
 PACKAGE = "cp_attention"
 ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 # Layer of each top-level part of the package; a module may import its own layer or lower ones.
@@ -155,6 +157,16 @@ def test_bottom_layers_import_nothing_above_them():
     assert metadata and all(layer(t) <= layer("cp_attention.metadata") for ts in metadata.values()
                             for t in ts)
     assert not any("parallel" in t for ts in metadata.values() for t in ts)
+
+
+def test_public_names_import_from_the_top():
+    expected = {"CPConfig", "CPRanks", "CPGroups", "AttentionMetadata", "MetadataBuilder",
+                "CPMetadataBuilder", "BaseAttentionImpl", "CPAttentionImpl", "CPAttentionBackend",
+                "StepSpec", "AttentionState", "StepError", "AttentionLayerError", "OpsInputError",
+                "StepMismatchError"}
+    assert expected <= set(cp_attention.__all__)
+    assert all(getattr(cp_attention, name) is not None for name in cp_attention.__all__)
+    assert issubclass(cp_attention.StepError, ValueError)
 
 
 # -- the rules can fail -------------------------------------------------------------------
