@@ -26,7 +26,8 @@ def check_forward_call(impl, layer, query: torch.Tensor, key: torch.Tensor, valu
                        kv_cache: torch.Tensor | None, meta: AttentionMetadata,
                        output: torch.Tensor | None, output_scale=None,
                        output_block_scale=None) -> None:
-    """O(1) checks of a ``BaseAttentionImpl.forward`` call.
+    """O(1) checks of a ``BaseAttentionImpl.forward`` call (``impl``: the calling impl; its
+    num_heads, num_kv_heads, head_size, sliding_window, attn_type and groups are read).
 
     query/output: [T, Hq, D] or [T, Hq * D]; key/value: [T, Hkv, D] or flat, T >=
     ``meta.num_input_tokens``; kv_cache: (2, num_blocks, block_size, Hkv, D).
