@@ -20,7 +20,7 @@ if __package__ in (None, ""):
 
 from benchmarks.common import (human_tokens, new_figure, parse_args, save_figure, series_colors,
                                token_ticks, write_json)
-from cp_attention import costmodel as cm
+from cp_attention import costmodel
 from cp_attention.config import CPConfig
 from cp_attention.testing.pool import RankPool
 from cp_attention.testing.workload import Workload
@@ -41,10 +41,10 @@ def real_runs(prompts: tuple[int, int], decode_steps: int, pool: RankPool) -> li
         steps = (((0, prompts[0]), (1, prompts[1])),) + (((0, 1), (1, 1)),) * decode_steps
         w = Workload(cfg, steps, num_heads=heads, num_kv_heads=kv_heads, head_size=head_size)
         reports = pool.run("cp_attention.testing.workload.run_workload_task", w, timeout_s=300)
-        model = cm.ModelShape(1, heads, kv_heads, head_size, dtype_bytes=4)
-        pre_formula = sum(cm.prefill_comm_bytes(model, p, pcp, tp) for p in prompts)
-        pre_bound = sum(cm.prefill_comm_lower_bound(model, p, pcp, tp) for p in prompts)
-        dec_formula = cm.decode_comm_bytes(model, 2, pcp, tp, dcp)
+        model = costmodel.ModelShape(1, heads, kv_heads, head_size, dtype_bytes=4)
+        pre_formula = sum(costmodel.prefill_comm_bytes(model, p, pcp, tp) for p in prompts)
+        pre_bound = sum(costmodel.prefill_comm_lower_bound(model, p, pcp, tp) for p in prompts)
+        dec_formula = costmodel.decode_comm_bytes(model, 2, pcp, tp, dcp)
         pre_measured = [r.comm_bytes_per_step[0] for r in reports]
         dec_measured = [r.comm_bytes_per_step[1] for r in reports]
         rows.append({
@@ -65,24 +65,25 @@ def real_runs(prompts: tuple[int, int], decode_steps: int, pool: RankPool) -> li
 
 
 def formula_prefill(prompts, pcps) -> list[dict]:
-    model, tp = cm.MODELS[BIG_MODEL], 8
-    return [{"pcp": pcp, "prompt": p, "bytes_per_layer": cm.prefill_comm_bytes(model, p, pcp, tp),
-             "lower_bound": cm.prefill_comm_lower_bound(model, p, pcp, tp),
-             "over_bound": cm.prefill_comm_bytes(model, p, pcp, tp)
-             / cm.prefill_comm_lower_bound(model, p, pcp, tp)}
+    model, tp = costmodel.MODELS[BIG_MODEL], 8
+    return [{"pcp": pcp, "prompt": p,
+             "bytes_per_layer": costmodel.prefill_comm_bytes(model, p, pcp, tp),
+             "lower_bound": costmodel.prefill_comm_lower_bound(model, p, pcp, tp),
+             "over_bound": costmodel.prefill_comm_bytes(model, p, pcp, tp)
+             / costmodel.prefill_comm_lower_bound(model, p, pcp, tp)}
             for pcp in pcps for p in prompts]
 
 
 def formula_decode(contexts, combos, batch: int = 1) -> list[dict]:
-    model = cm.MODELS["mla-671b"]  # one KV head: DCP is allowed at tp=8
+    model = costmodel.MODELS["mla-671b"]  # one KV head: DCP is allowed at tp=8
     tp = 8
     rows = []
     for pcp, dcp in combos:
         for ctx in contexts:
             rows.append({"pcp": pcp, "dcp": dcp, "context": ctx, "batch": batch,
-                         "bytes_per_layer": cm.decode_comm_bytes(model, batch, pcp, tp, dcp),
-                         "collectives_per_layer": cm.decode_collectives(pcp, dcp),
-                         "naive_context_gather_bytes": cm.naive_context_gather_bytes(
+                         "bytes_per_layer": costmodel.decode_comm_bytes(model, batch, pcp, tp, dcp),
+                         "collectives_per_layer": costmodel.decode_collectives(pcp, dcp),
+                         "naive_context_gather_bytes": costmodel.naive_context_gather_bytes(
                              model, ctx, pcp * dcp, tp)})
     return rows
 

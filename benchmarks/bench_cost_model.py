@@ -29,12 +29,13 @@ import torch.nn.functional as F
 
 from benchmarks.common import (human_tokens, new_figure, parse_args, save_figure, series_colors,
                                token_ticks, write_json)
-from cp_attention import costmodel as cm
+from cp_attention import costmodel
 from cp_attention.testing.pool import RankPool
 
 NAME = "bench_cost_model"
 PLOT_NAME = "cost_model"
-SPEED_SHAPE = cm.ModelShape(num_layers=1, num_heads=4, num_kv_heads=4, head_size=64, dtype_bytes=4)
+SPEED_SHAPE = costmodel.ModelShape(num_layers=1, num_heads=4, num_kv_heads=4, head_size=64,
+                                   dtype_bytes=4)
 
 
 def measure_flops(tokens: int, repeats: int = 3) -> float:
@@ -87,14 +88,14 @@ def fit_link(sizes: list[int], seconds: list[float]) -> tuple[float, float]:
     return latency, 1.0 / max(slope, 1e-15)
 
 
-def validate(device: cm.Device, speed_json: Path) -> list[dict]:
+def validate(device: costmodel.Device, speed_json: Path) -> list[dict]:
     if not speed_json.exists():
         return []
     rows = []
     for r in json.loads(speed_json.read_text())["rows"]:
         s = r["tokens"]
-        p1 = cm.prefill_estimate(SPEED_SHAPE, device, s, 1).total_s
-        p2 = cm.prefill_estimate(SPEED_SHAPE, device, s, 2).total_s
+        p1 = costmodel.prefill_estimate(SPEED_SHAPE, device, s, 1).total_s
+        p2 = costmodel.prefill_estimate(SPEED_SHAPE, device, s, 2).total_s
         rows.append({"tokens": s, "pcp1_predicted_s": p1, "pcp1_measured_s": r["pcp1_s"],
                      "pcp2_predicted_s": p2, "pcp2_measured_s": r["pcp2_s"],
                      "speedup_predicted": p1 / p2, "speedup_measured": r["speedup_pcp2"],
@@ -104,22 +105,23 @@ def validate(device: cm.Device, speed_json: Path) -> list[dict]:
 
 def predictions(prompts) -> dict:
     prefill, decode = [], []
-    model = cm.MODELS["llama3-70b"]
+    model = costmodel.MODELS["llama3-70b"]
     for name in ("h100-sxm", "h200-sxm", "ascend-910b"):
-        dev = cm.PRESETS[name]
+        dev = costmodel.PRESETS[name]
         for pcp in (2, 4, 8):
             for p in prompts:
-                est = cm.prefill_estimate(model, dev, p, pcp, tp=8)
+                est = costmodel.prefill_estimate(model, dev, p, pcp, tp=8)
                 prefill.append({"device": name, "pcp": pcp, "prompt": p,
-                                "efficiency": cm.prefill_efficiency(model, dev, p, pcp, tp=8),
+                                "efficiency": costmodel.prefill_efficiency(model, dev, p, pcp,
+                                                                           tp=8),
                                 "compute_s": est.compute_s, "comm_s": est.comm_s})
-    mla = cm.MODELS["mla-671b"]
+    mla = costmodel.MODELS["mla-671b"]
     for name in ("h100-sxm", "h200-sxm", "ascend-910b"):
-        dev = cm.PRESETS[name]
+        dev = costmodel.PRESETS[name]
         for pcp, dcp in ((1, 2), (1, 4), (1, 8), (2, 8), (4, 8)):
             for ctx in prompts:
-                base = cm.decode_estimate(mla, dev, ctx, 8, 1, 8, 1).total_s
-                est = cm.decode_estimate(mla, dev, ctx, 8, pcp, 8, dcp)
+                base = costmodel.decode_estimate(mla, dev, ctx, 8, 1, 8, 1).total_s
+                est = costmodel.decode_estimate(mla, dev, ctx, 8, pcp, 8, dcp)
                 decode.append({"device": name, "pcp": pcp, "dcp": dcp, "context": ctx,
                                "batch": 8, "step_s": est.total_s, "comm_s": est.comm_s,
                                "speedup_over_1x1": base / est.total_s,
@@ -127,8 +129,10 @@ def predictions(prompts) -> dict:
     mixes = []
     for model_name, tp in (("llama3-70b", 8), ("mla-671b", 8)):
         for dev_name in ("h100-sxm", "h200-sxm", "ascend-910b"):
-            for mix in (cm.Mix(4096, 512, 32), cm.Mix(131072, 1024, 8), cm.Mix(1 << 20, 1024, 1)):
-                best = cm.recommend(cm.MODELS[model_name], cm.PRESETS[dev_name], mix, tp)
+            for mix in (costmodel.Mix(4096, 512, 32), costmodel.Mix(131072, 1024, 8),
+                        costmodel.Mix(1 << 20, 1024, 1)):
+                best = costmodel.recommend(costmodel.MODELS[model_name],
+                                           costmodel.PRESETS[dev_name], mix, tp)
                 mixes.append({"model": model_name, "device": dev_name, "tp": tp, "mix": asdict(mix),
                               "recommended": asdict(best)})
     return {"prefill_efficiency": prefill, "decode_speedup": decode, "recommendations": mixes}
@@ -143,7 +147,7 @@ def run(out_dir: str | Path, quick: bool = False) -> dict:
         times = pool.run("benchmarks.bench_cost_model.allgather_task", sizes, 3 if quick else 7)
     seconds = [max(a, b) for a, b in zip(*times)]
     latency, bw = fit_link(sizes, seconds)
-    stored = cm.PRESETS["cpu-gloo-this-machine"]
+    stored = costmodel.PRESETS["cpu-gloo-this-machine"]
     speed_json = out_dir / "bench_speed.json"
     flops_source = "micro-benchmark (SDPA, 1 thread)"
     fit_flops = flops
@@ -163,7 +167,7 @@ def run(out_dir: str | Path, quick: bool = False) -> dict:
         "validation_stored_preset": validate(stored, speed_json),
         "validation_source": str(speed_json) if speed_json.exists() else "missing: run bench_speed",
         "predictions": predictions(prompts),
-        "presets": {k: asdict(v) for k, v in cm.PRESETS.items()},
+        "presets": {k: asdict(v) for k, v in costmodel.PRESETS.items()},
     }
     write_json(out_dir, NAME, payload)
     _plot(payload, prompts, out_dir)
