@@ -109,11 +109,11 @@ def expected_local(reqs: list[Req], pcp: int, rank: int) -> tuple[list[int], lis
     return tokens, positions
 
 
-def build_all(reqs: list[Req], cfg: CPConfig, seed: int = 0
+def build_all(reqs: list[Req], cfg: CPConfig, seed: int = 0, window: int | None = None
               ) -> tuple[StepSpec, dict[tuple[int, int], AttentionMetadata]]:
     """Metadata of every (pcp_rank, dcp_rank) for one step (tp_size == dcp_size)."""
     step = make_step(reqs, cfg.block_size, cfg.kv_world, seed)
-    metas = {(p, d): CPMetadataBuilder(cfg, CPRanks(p, d, d)).build(step)
+    metas = {(p, d): CPMetadataBuilder(cfg, CPRanks(p, d, d), window).build(step)
              for p in range(cfg.pcp_size) for d in range(cfg.dcp_size)}
     return step, metas
 
@@ -164,7 +164,8 @@ def test_restore_after_gather_is_request_order(reqs, pcp):
 @settings(**SETTINGS)
 @given(reqs=batches(), pcp=st.sampled_from(PCP_SIZES))
 def test_local_rows_positions_and_head_tail_index_sets(reqs, pcp):
-    _, metas = build_all(reqs, CPConfig(pcp_size=pcp))
+    # A window wider than any request: the windowed kv_with_q_{head,tail}_idx are planned too.
+    _, metas = build_all(reqs, CPConfig(pcp_size=pcp), window=10_000)
     restored = torch.tensor(expected_restored(reqs, pcp), dtype=torch.int64)
     prefills = [(off, r) for off, r in zip(token_offsets(reqs), reqs) if not r.is_decode]
     chunks = [chunk_of(r, pcp) for _, r in prefills]
