@@ -123,9 +123,11 @@ def whole_requests(reqs: np.ndarray, new_lens: np.ndarray, rows: np.ndarray) -> 
 def pcp_local_rows(prefills: np.ndarray, new_lens: np.ndarray, split: PCPSplit) -> RowLayout:
     """Each prefill's head chunk then its tail chunk (2 segments of c rows per prefill)."""
     c = split.chunk_lens
-    start = np.stack([split.head_chunk * c, split.tail_chunk * c], axis=1).reshape(-1)
+    start = np.empty((len(c), 2), dtype=np.int64)
+    start[:, 0], start[:, 1] = split.head_chunk * c, split.tail_chunk * c
+    start = start.reshape(-1)
     length = np.repeat(c, 2)
-    real = np.clip(np.repeat(new_lens, 2) - start, 0, length)
+    real = np.minimum(np.maximum(np.repeat(new_lens, 2) - start, 0), length)
     return RowLayout(np.repeat(prefills, 2), start, length, real)
 
 
@@ -189,7 +191,7 @@ def window_ranges(rows: RowLayout, step: StepSpec, window: int, config: CPConfig
     context = step.computed[rows.req]
     pos = rows.ranges(context + rows.start)
     context_of_row = np.repeat(context, rows.length)
-    lo = np.clip(pos - window + 1, 0, context_of_row)
+    lo = np.minimum(np.maximum(pos - window + 1, 0), context_of_row)
     start = local_count(lo, kv_rank, world, inter)
     end = np.repeat(local_count(context, kv_rank, world, inter), rows.length)
     pads = rows.pad_rows()

@@ -132,16 +132,12 @@ def cumsum0(lengths: np.ndarray) -> np.ndarray:
 def ranges_concat(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """[sum(lengths)] int64: the concatenation of ``arange(s, s + n)`` for each (s, n).
 
-    starts, lengths: [n] int64 (lengths >= 0). Three passes over the output whatever n is.
-    (A broadcast ``starts[:, None] + arange(w)`` is ~15x slower for few long segments.)
+    starts, lengths: [n] int64 arrays (lengths >= 0). Three passes over the output whatever
+    n is (a broadcast ``starts[:, None] + arange(w)`` is ~15x slower for few long segments).
     """
-    starts = np.asarray(starts, dtype=np.int64)
-    lengths = np.asarray(lengths, dtype=np.int64)
     if len(lengths) == 1:
         return np.arange(starts[0], starts[0] + lengths[0], dtype=np.int64)
-    if len(lengths) == 0:
-        return np.zeros(0, dtype=np.int64)
     ends = np.cumsum(lengths)
-    out = np.arange(ends[-1], dtype=np.int64)
+    out = np.arange(ends[-1] if len(ends) else 0, dtype=np.int64)
     out += np.repeat(starts - (ends - lengths), lengths)
     return out

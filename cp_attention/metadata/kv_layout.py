@@ -28,8 +28,8 @@ def local_count(lengths: np.ndarray, shard: int | np.ndarray, world: int, interl
     """Tokens among positions ``[0, L)`` owned by ``shard``, for each length L (vectorized)."""
     lengths = np.asarray(lengths, dtype=np.int64)
     base = (lengths // (interleave * world)) * interleave
-    rem = lengths - base * world
-    return base + np.clip(rem - np.asarray(shard) * interleave, 0, interleave)
+    rem = lengths - base * world - np.asarray(shard) * interleave
+    return base + np.minimum(np.maximum(rem, 0), interleave)
 
 
 def local_kv_lens(lengths: np.ndarray, world: int, interleave: int) -> np.ndarray:
@@ -58,16 +58,22 @@ def segment_slots(req: np.ndarray, first_row: np.ndarray, first_pos: np.ndarray,
     slots = np.full(num_rows, -1, dtype=np.int64)
     local_lo = local_count(first_pos, shard, world, interleave)
     owned = local_count(first_pos + num_tokens, shard, world, interleave) - local_lo
-    total = int(owned.sum())
+    ends = np.cumsum(owned)
+    total = int(ends[-1]) if len(ends) else 0
     if total == 0:
         return slots
-    local = ranges_concat(local_lo, owned)  # local positions stored here, segment by segment
-    span = interleave * world
-    global_pos = (local // interleave) * span + shard * interleave + local % interleave
-    rows = global_pos + np.repeat(first_row - first_pos, owned)
-    flat_block = np.repeat(req * block_table.shape[1], owned) + local // block_size
-    blocks = block_table.reshape(-1)[flat_block].astype(np.int64)
-    slots[rows] = blocks * block_size + local % block_size
+    local = np.arange(total, dtype=np.int64)  # local positions stored here, segment by segment
+    local += np.repeat(local_lo - (ends - owned), owned)
+    row_shift = np.repeat(first_row - first_pos + shard * interleave, owned)
+    if interleave == 1:  # global position = local * world + shard
+        rows = local * world
+    else:
+        rows = (local // interleave) * (interleave * world) + local % interleave
+    rows += row_shift
+    flat_block = local // block_size
+    flat_block += np.repeat(req * block_table.shape[1], owned)
+    slots[rows] = np.multiply(block_table.reshape(-1)[flat_block], block_size, dtype=np.int64) \
+        + local % block_size
     return slots
 
 

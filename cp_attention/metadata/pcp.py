@@ -106,8 +106,8 @@ class PCPSplit:
     def local_padded_pos(self) -> np.ndarray:
         """[2 sum c] position of each local row in its padded request."""
         c = self.chunk_lens
-        starts = np.stack([self.head_chunk * c, self.tail_chunk * c], axis=1).reshape(-1)
-        return ranges_concat(starts, np.repeat(c, 2))
+        starts = np.concatenate([self.head_chunk * c, self.tail_chunk * c]).reshape(2, -1)
+        return ranges_concat(starts.T.reshape(-1), np.repeat(c, 2))
 
     @cached_property
     def restored_req(self) -> np.ndarray:
@@ -145,9 +145,11 @@ def restore_index(chunk_lens: np.ndarray, pcp_size: int) -> np.ndarray:
     c = chunk_lens
     k = np.arange(2 * pcp_size)
     sender = np.minimum(k, 2 * pcp_size - 1 - k)
-    is_tail = (k >= pcp_size).astype(np.int64)
-    local_start = 2 * cumsum0(c)[:-1]
-    starts = sender * (2 * int(c.sum())) + local_start[:, None] + is_tail * c[:, None]  # [P, 2pcp]
+    is_tail = k >= pcp_size
+    local_start = 2 * np.cumsum(c) - 2 * c
+    starts = np.outer(c, is_tail)  # [P, 2 pcp]
+    starts += sender * (2 * int(c.sum()))
+    starts += local_start[:, None]
     return ranges_concat(starts.reshape(-1), np.repeat(c, 2 * pcp_size))
 
 
@@ -158,11 +160,15 @@ def scatter_index(chunk_lens: np.ndarray, pcp_size: int) -> np.ndarray:
     ``2 pcp C[i] + k c[i] + j`` with ``k = q`` (head) or ``2 pcp - 1 - q`` (tail).
     """
     c = chunk_lens
-    q = np.arange(pcp_size)[:, None]
-    chunk = np.stack([q, 2 * pcp_size - 1 - q], axis=-1)  # [pcp, 1, 2]
-    restored_start = 2 * pcp_size * cumsum0(c)[:-1]
-    starts = restored_start[None, :, None] + chunk * c[None, :, None]  # [pcp, P, 2]
-    return ranges_concat(starts.reshape(-1), np.tile(np.repeat(c, 2), pcp_size))
+    q = np.arange(pcp_size)
+    chunk = np.empty((pcp_size, 1, 2), dtype=np.int64)  # [pcp, 1, (head, tail)]
+    chunk[:, 0, 0], chunk[:, 0, 1] = q, 2 * pcp_size - 1 - q
+    restored_start = 2 * pcp_size * (np.cumsum(c) - c)
+    starts = chunk * c[:, None]  # [pcp, P, 2]
+    starts += restored_start[:, None]
+    lengths = np.empty((pcp_size, len(c), 2), dtype=np.int64)
+    lengths[...] = c[:, None]
+    return ranges_concat(starts.reshape(-1), lengths.reshape(-1))
 
 
 def plan_pcp_split(new_lens: np.ndarray, pcp_size: int, pcp_rank: int, windowed: bool = False
@@ -177,30 +183,35 @@ def plan_pcp_split(new_lens: np.ndarray, pcp_size: int, pcp_rank: int, windowed:
     c = chunk_lens_for(new_lens, pcp_size)
     head, tail = pcp_rank, 2 * pcp_size - 1 - pcp_rank
     cu = cumsum0(c)  # [P + 1]
-    local_start = 2 * cu[:-1]  # first local row of each prefill
-    restored_start = 2 * pcp_size * cu[:-1]  # first restored row of each prefill
     total = int(cu[-1])
+    # Per chunk row (prefill i, row j): arange = C[i] + j; first = C[i]; size = c[i].
+    arange = np.arange(total, dtype=np.int64)
+    first, size = np.repeat(cu[:-1], c), np.repeat(c, c)
+    q_head = arange + first  # local row 2 C[i] + j
+    restored = arange + (2 * pcp_size - 1) * first  # restored row 2 pcp C[i] + j
+    restored_start = 2 * pcp_size * cu[:-1]  # first restored row of each prefill
+    q_full = np.empty(2 * total, dtype=np.int64)  # local row -> row of cat(head, tail)
+    q_full[q_head] = arange
+    q_full[q_head + size] = arange + total
     head_kv = tail_kv = None
     if windowed:
         head_kv = _tensor(ranges_concat(restored_start, (head + 1) * c))
         tail_kv = _tensor(ranges_concat(restored_start, (tail + 1) * c))
-    q_full = ranges_concat(np.stack([cu[:-1], total + cu[:-1]], axis=1).reshape(-1),
-                           np.repeat(c, 2))
     return PCPSplit(
         pcp_size=pcp_size,
         pcp_rank=pcp_rank,
         chunk_lens=c,
         chunk_cu_seqlens=_tensor(cu),
-        q_head_idx=_tensor(ranges_concat(local_start, c)),
-        q_tail_idx=_tensor(ranges_concat(local_start + c, c)),
+        q_head_idx=_tensor(q_head),
+        q_tail_idx=_tensor(q_head + size),
         q_full_idx=_tensor(q_full),
         kv_with_q_head_nomask_idx=_tensor(ranges_concat(restored_start, head * c)),
-        kv_with_q_head_mask_idx=_tensor(ranges_concat(restored_start + head * c, c)),
+        kv_with_q_head_mask_idx=_tensor(restored + head * size),
         kv_with_q_tail_nomask_idx=_tensor(ranges_concat(restored_start, tail * c)),
-        kv_with_q_tail_mask_idx=_tensor(ranges_concat(restored_start + tail * c, c)),
-        attn_mask_seqlens=_tensor(np.stack([c, c])),
-        head_attn_nomask_seqlens=_tensor(np.stack([c, head * c])),
-        tail_attn_nomask_seqlens=_tensor(np.stack([c, tail * c])),
+        kv_with_q_tail_mask_idx=_tensor(restored + tail * size),
+        attn_mask_seqlens=_tensor(np.concatenate([c, c]).reshape(2, -1)),
+        head_attn_nomask_seqlens=_tensor(np.concatenate([c, head * c]).reshape(2, -1)),
+        tail_attn_nomask_seqlens=_tensor(np.concatenate([c, tail * c]).reshape(2, -1)),
         head_nomask_cu_seqlens_k=_tensor(head * cu),
         tail_nomask_cu_seqlens_k=_tensor(tail * cu),
         kv_with_q_head_idx=head_kv,
