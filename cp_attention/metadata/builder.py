@@ -136,6 +136,7 @@ def pcp_local_rows(prefills: np.ndarray, new_lens: np.ndarray, split: PCPSplit) 
 class PrefillPlan:
     """Where the prefills' rows are on this rank."""
 
+    reqs: np.ndarray  # [Np] batch index of each prefill
     split: PCPSplit | None
     local: RowLayout  # local prefill rows
     step: RowLayout  # step prefill rows (== local without PCP)
@@ -148,10 +149,10 @@ def plan_prefills(prefills: np.ndarray, new_lens: np.ndarray, pcp_size: int, pcp
     """The prefill rows (local and step) of a rank; new_lens: [Np] new tokens per prefill."""
     if pcp_size == 1:
         rows = whole_requests(prefills, new_lens, new_lens)
-        return PrefillPlan(None, rows, rows, new_lens, new_lens)
+        return PrefillPlan(prefills, None, rows, rows, new_lens, new_lens)
     split = plan_pcp_split(new_lens, pcp_size, pcp_rank, windowed)
     padded = 2 * pcp_size * split.chunk_lens
-    return PrefillPlan(split, pcp_local_rows(prefills, new_lens, split),
+    return PrefillPlan(prefills, split, pcp_local_rows(prefills, new_lens, split),
                        whole_requests(prefills, new_lens, padded), 2 * split.chunk_lens, padded)
 
 
@@ -178,6 +179,32 @@ def step_slot_mapping(rows: RowLayout, step: StepSpec, block_table: np.ndarray,
     return segment_slots(rows.req, first_row, step.computed[rows.req] + rows.start, rows.real,
                          rows.num_rows, block_table, config.block_size, config.kv_world,
                          kv_rank, config.cp_kv_interleave_size)
+
+
+@dataclass(frozen=True)
+class ContextPlan:
+    """Queries of cached context on this rank, requests in context order (decodes, prefills)."""
+
+    over_pcp: bool  # context rows are the step rows (queries gathered over PCP)
+    rows: RowLayout  # the context rows
+    order: np.ndarray  # [R] batch index of each request in context order
+    rows_per_req: np.ndarray  # [R] context rows of each request
+    seq_lens: np.ndarray  # [R] cached tokens of each request held by this rank
+    per_rank: np.ndarray  # [R, pcp, dcp] cached tokens held by every rank, batch order
+
+
+def plan_context(step: StepSpec, config: CPConfig, ranks: CPRanks, shard_grid: np.ndarray,
+                 decode_rows: RowLayout, prefill: PrefillPlan) -> ContextPlan:
+    """Which rows query the cached context, and how much of it each rank holds."""
+    over_pcp = prefill.split is not None and config.kv_shard == "cp"
+    rows = decode_rows + (prefill.step if over_pcp else prefill.local)
+    rows_per_req = np.concatenate([decode_rows.length, prefill.step_rows_per_req if over_pcp
+                                   else prefill.local_rows_per_req])
+    order = np.concatenate([decode_rows.req, prefill.reqs])
+    per_rank = local_count(step.computed[:, None, None], shard_grid[None], config.kv_world,
+                           config.cp_kv_interleave_size)
+    seq_lens = per_rank[order, ranks.pcp_rank, ranks.dcp_rank]
+    return ContextPlan(over_pcp, rows, order, rows_per_req, seq_lens, per_rank)
 
 
 def window_ranges(rows: RowLayout, step: StepSpec, window: int, config: CPConfig, kv_rank: int
@@ -262,7 +289,6 @@ class MetadataBuilder:
         pre = plan_prefills(prefills, new_lens, cfg.pcp_size, self.ranks.pcp_rank,
                            self.sliding_window is not None)
         local_rows, step_rows = dec_rows + pre.local, dec_rows + pre.step
-
         num_actual = local_rows.num_rows
         num_input = num_actual if num_input_tokens is None else num_input_tokens
         if num_input < num_actual:
@@ -270,30 +296,18 @@ class MetadataBuilder:
                              f"rows this rank computes")
         tokens, positions = token_rows(local_rows, step, num_input)
         slots = step_slot_mapping(step_rows, step, table, cfg, self.kv_rank)
-        num_dec = int(dec_lens.sum())
-
-        # Context: queries grouped per request, decodes then prefills.
-        ctx_over_pcp = pre.split is not None and cfg.kv_shard == "cp"
-        ctx_rows = step_rows if ctx_over_pcp else local_rows
-        order = np.concatenate([decodes, prefills])
-        per_rank = local_count(step.computed[:, None, None], self._shard_grid[None],
-                               cfg.kv_world, cfg.cp_kv_interleave_size)
-        ctx_lens = per_rank[order, self.ranks.pcp_rank, self.ranks.dcp_rank]
-        in_batch_order = not (~is_decode[:-1] & is_decode[1:]).any()
-        ctx_block_table = block_table if in_batch_order else \
-            block_table.index_select(0, _t(order))
+        ctx = plan_context(step, cfg, self.ranks, self._shard_grid, dec_rows, pre)
         kv_start = kv_end = None
         if self.sliding_window is not None:
-            kv_start, kv_end = map(_t, window_ranges(ctx_rows, step, self.sliding_window, cfg,
+            kv_start, kv_end = map(_t, window_ranges(ctx.rows, step, self.sliding_window, cfg,
                                                      self.kv_rank))
-        ctx_rows_per_req = np.concatenate(
-            [dec_lens, pre.step_rows_per_req if ctx_over_pcp else pre.local_rows_per_req])
+        decodes_first = not (~is_decode[:-1] & is_decode[1:]).any()
 
         return AttentionMetadata(
             state=classify_state(step, is_decode),
             decode_reqs=decodes,
             prefill_reqs=prefills,
-            num_decode_tokens=num_dec,
+            num_decode_tokens=dec_rows.num_rows,
             num_actual_tokens=num_actual,
             num_input_tokens=num_input,
             local_token_idx=_t(tokens),
@@ -304,14 +318,15 @@ class MetadataBuilder:
             prefill_real_cu_seqlens=_t(cumsum0(new_lens)),
             step_slot_mapping=_t(slots),
             has_context=bool(step.computed.any()),
-            ctx_over_pcp=ctx_over_pcp,
-            ctx_cu_seqlens=_t(cumsum0(ctx_rows_per_req)),
-            ctx_block_table=ctx_block_table,
-            ctx_seq_lens=_t(ctx_lens),
+            ctx_over_pcp=ctx.over_pcp,
+            ctx_cu_seqlens=_t(cumsum0(ctx.rows_per_req)),
+            ctx_block_table=(block_table if decodes_first
+                             else block_table.index_select(0, _t(ctx.order))),
+            ctx_seq_lens=_t(ctx.seq_lens),
             ctx_kv_start=kv_start,
             ctx_kv_end=kv_end,
-            batch_seq_mask=_t(ctx_lens == 0),
-            num_computed_tokens_of_pcp_dcp=per_rank,
+            batch_seq_mask=_t(ctx.seq_lens == 0),
+            num_computed_tokens_of_pcp_dcp=ctx.per_rank,
             sliding_window=self.sliding_window,
         )
 
