@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 from cp_attention.config import CPConfig, CPRanks
 from cp_attention.metadata.builder import CPMetadataBuilder
-from cp_attention.metadata.common import StepSpec
+from cp_attention.metadata.common import StepSpec, ranges_concat
 from cp_attention.metadata.kv_layout import (blocks_needed, kv_owner, local_count, local_kv_lens,
-                                             local_position, slot_mapping)
+                                             local_position, segment_slots, slot_mapping)
 
 SETTINGS = settings(derandomize=True, deadline=None, max_examples=150)
 WORLDS = st.integers(1, 8)
@@ -118,6 +118,49 @@ def test_every_token_stored_once_on_owner_in_own_blocks(world, interleave, mult,
     for shard in range(world):  # distinct slots on every shard
         mine = slots[shard][stored[shard]]
         assert len(np.unique(mine)) == len(mine)
+
+
+@SETTINGS
+@given(segments=st.lists(st.tuples(st.integers(-5, 50), st.integers(0, 40)), max_size=8))
+def test_ranges_concat_matches_python(segments):
+    starts = np.array([s for s, _ in segments], dtype=np.int64)
+    lengths = np.array([n for _, n in segments], dtype=np.int64)
+    expected = [s + j for s, n in segments for j in range(n)]
+    out = ranges_concat(starts, lengths)
+    assert out.dtype == np.int64 and out.tolist() == expected
+
+
+@SETTINGS
+@given(world=WORLDS, interleave=INTERLEAVES, mult=st.sampled_from([1, 2, 8]),
+       segments=st.lists(st.tuples(st.integers(0, 300), st.integers(0, 90), st.integers(0, 6)),
+                         min_size=1, max_size=6),
+       seed=st.integers(0, 2**16))
+def test_segment_slots_equal_per_token_slot_mapping(world, interleave, mult, segments, seed):
+    """The closed form per segment equals the per-row definition on every shard, pads (rows
+    after a segment's tokens) included."""
+    block_size = interleave * mult
+    context = np.array([c for c, _, _ in segments], dtype=np.int64)
+    tokens = np.array([n for _, n, _ in segments], dtype=np.int64)
+    rows = tokens + np.array([p for _, _, p in segments], dtype=np.int64)  # trailing pads
+    needed = blocks_needed(context + tokens, block_size, world)
+    perm = np.random.default_rng(seed).permutation(int(needed.sum()) + 3)
+    table = np.full((len(segments), max(int(needed.max()), 1)), -1, dtype=np.int32)
+    start = 0
+    for r, n in enumerate(needed.tolist()):
+        table[r, :n] = perm[start:start + n]
+        start += n
+    req = np.arange(len(segments), dtype=np.int64)
+    first_row = np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(np.int64)
+    row_req = np.repeat(req, rows)
+    row_off = ranges_concat(np.zeros(len(rows), dtype=np.int64), rows)
+    real = row_off < tokens[row_req]
+    for shard in range(world):
+        expected = slot_mapping(np.where(real, row_req, -1), context[row_req] + row_off, table,
+                                block_size, world, shard, interleave)
+        got = segment_slots(req, first_row, context, tokens, int(rows.sum()), table,
+                            block_size, world, shard, interleave)
+        assert got.dtype == np.int64
+        assert np.array_equal(got, expected), shard
 
 
 # -- builder: per-rank context lengths, masks and visible ranges ----------------------------

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from cp_attention.config import CPConfig, CPRanks
 from cp_attention.metadata.builder import AttentionMetadata, CPMetadataBuilder
 from cp_attention.metadata.common import StepSpec
-from cp_attention.metadata.pcp import plan_pcp_split
+from cp_attention.metadata.pcp import plan_pcp_split, restore_index, scatter_index
 
 PCP_SIZES = (2, 3, 4, 8)
 SETTINGS = dict(derandomize=True, deadline=None, max_examples=60)
@@ -108,11 +108,11 @@ def expected_local(reqs: list[Req], pcp: int, rank: int) -> tuple[list[int], lis
     return tokens, positions
 
 
-def build_all(reqs: list[Req], cfg: CPConfig, seed: int = 0
+def build_all(reqs: list[Req], cfg: CPConfig, seed: int = 0, window: int | None = None
               ) -> tuple[StepSpec, dict[tuple[int, int], AttentionMetadata]]:
     """Metadata of every (pcp_rank, dcp_rank) for one step (tp_size == dcp_size)."""
     step = make_step(reqs, cfg.block_size, cfg.kv_world, seed)
-    metas = {(p, d): CPMetadataBuilder(cfg, CPRanks(p, d, d)).build(step)
+    metas = {(p, d): CPMetadataBuilder(cfg, CPRanks(p, d, d), window).build(step)
              for p in range(cfg.pcp_size) for d in range(cfg.dcp_size)}
     return step, metas
 
@@ -163,7 +163,8 @@ def test_restore_after_gather_is_request_order(reqs, pcp):
 @settings(**SETTINGS)
 @given(reqs=batches(), pcp=st.sampled_from(PCP_SIZES))
 def test_local_rows_positions_and_head_tail_index_sets(reqs, pcp):
-    _, metas = build_all(reqs, CPConfig(pcp_size=pcp))
+    # A window wider than any request: the windowed kv_with_q_{head,tail}_idx are planned too.
+    _, metas = build_all(reqs, CPConfig(pcp_size=pcp), window=10_000)
     restored = torch.tensor(expected_restored(reqs, pcp), dtype=torch.int64)
     prefills = [(off, r) for off, r in zip(token_offsets(reqs), reqs) if not r.is_decode]
     chunks = [chunk_of(r, pcp) for _, r in prefills]
@@ -363,3 +364,102 @@ def test_slot_mapping_stores_every_token_once(reqs, pcp, dcp, kv_shard, layout):
             assert len(where) == 1, (token, where)  # one shard of the pcp*dcp group
         else:
             assert sorted(w[0] for w in where) == list(range(pcp)), (token, where)  # each PCP rank once
+
+
+# --------------------------------------------------------------------------------------------
+# Closed-form indices against their definitions (argsort over every rank's rows)
+# --------------------------------------------------------------------------------------------
+def argsort_restore(new_lens: list[int], pcp: int) -> np.ndarray:
+    """The definition: gather every rank's local rows rank-major, tag each with (prefill,
+    padded position), and stable-argsort the tags into request order."""
+    chunks = [-(-n // (2 * pcp)) for n in new_lens]
+    tags = []
+    for rank in range(pcp):
+        for i, c in enumerate(chunks):
+            for chunk in (rank, 2 * pcp - 1 - rank):
+                tags += [(i, chunk * c + j) for j in range(c)]
+    return np.array(sorted(range(len(tags)), key=lambda row: tags[row]), dtype=np.int64)
+
+
+new_lens_lists = st.lists(st.integers(1, 200), min_size=0, max_size=6)
+
+
+@settings(**SETTINGS)
+@given(new_lens=new_lens_lists, pcp=st.integers(1, 8), data=st.data())
+def test_closed_form_restore_and_scatter_equal_argsort(new_lens, pcp, data):
+    rank = data.draw(st.integers(0, pcp - 1))
+    split = plan_pcp_split(np.array(new_lens, dtype=np.int64), pcp, rank)
+    expected = argsort_restore(new_lens, pcp)
+    restore = split.pcp_allgather_restore_idx.numpy()
+    assert np.array_equal(restore, expected)
+    assert np.array_equal(split.pcp_allgather_scatter_idx.numpy(), np.argsort(expected))
+    assert np.array_equal(restore_index(split.chunk_lens, pcp), expected)
+    assert np.array_equal(scatter_index(split.chunk_lens, pcp)[expected], np.arange(len(expected)))
+
+
+@settings(**SETTINGS)
+@given(new_lens=new_lens_lists, pcp=st.integers(1, 8), data=st.data())
+def test_split_indices_in_range_and_offsets_match_lengths(new_lens, pcp, data):
+    """Every index in range, q_full_idx = argsort(cat(q_head, q_tail)), the cumulative offsets
+    the kernels take are the cumsums of the vLLM-Ascend [2, P] lengths, and the head / tail
+    ChunkPlan views carry the chunk's own fields."""
+    rank = data.draw(st.integers(0, pcp - 1))
+    windowed = data.draw(st.booleans())
+    split = plan_pcp_split(np.array(new_lens, dtype=np.int64), pcp, rank, windowed=windowed)
+    chunks = np.array([-(-n // (2 * pcp)) for n in new_lens], dtype=np.int64)
+    local, restored = 2 * int(chunks.sum()), 2 * pcp * int(chunks.sum())
+    assert split.num_local_rows == local
+    for name in ("q_head_idx", "q_tail_idx", "q_full_idx"):
+        idx = getattr(split, name).numpy()
+        assert idx.dtype == np.int64 and ((0 <= idx) & (idx < local)).all(), name
+    for name in ("kv_with_q_head_nomask_idx", "kv_with_q_head_mask_idx",
+                 "kv_with_q_tail_nomask_idx", "kv_with_q_tail_mask_idx",
+                 "kv_with_q_head_idx", "kv_with_q_tail_idx"):
+        idx = getattr(split, name)
+        if idx is None:
+            assert not windowed and name in ("kv_with_q_head_idx", "kv_with_q_tail_idx")
+            continue
+        idx = idx.numpy()
+        assert idx.dtype == np.int64 and ((0 <= idx) & (idx < restored)).all(), name
+    both = np.concatenate([split.q_head_idx.numpy(), split.q_tail_idx.numpy()])
+    assert np.array_equal(split.q_full_idx.numpy(), np.argsort(both, kind="stable"))
+
+    def cum(lengths) -> list[int]:
+        return [0] + np.cumsum(np.asarray(lengths, dtype=np.int64)).tolist()
+
+    assert lst(split.chunk_cu_seqlens) == cum(split.attn_mask_seqlens[0]) == cum(chunks)
+    assert lst(split.chunk_cu_seqlens) == cum(split.attn_mask_seqlens[1])
+    assert lst(split.head_nomask_cu_seqlens_k) == cum(split.head_attn_nomask_seqlens[1])
+    assert lst(split.tail_nomask_cu_seqlens_k) == cum(split.tail_attn_nomask_seqlens[1])
+    for plan, chunk in ((split.head, rank), (split.tail, 2 * pcp - 1 - rank)):
+        assert plan.index == chunk
+        assert lst(plan.nomask_cu_seqlens_k) == cum(chunk * chunks)
+        assert len(plan.kv_nomask_idx) == chunk * int(chunks.sum())
+        assert lst(plan.cu_seqlens_k) == cum((chunk + 1) * chunks)
+        if windowed:
+            assert len(plan.kv_idx) == (chunk + 1) * int(chunks.sum())
+    assert split.head.q_idx is split.q_head_idx and split.tail.q_idx is split.q_tail_idx
+    # Bookkeeping rows agree with the index tensors.
+    order = split.restored_req * (1 << 32) + split.restored_padded_pos
+    assert (np.diff(order) > 0).all()
+    gathered_req = np.concatenate([plan_pcp_split(np.array(new_lens, dtype=np.int64), pcp, r)
+                                   .local_req for r in range(pcp)])
+    assert np.array_equal(gathered_req[split.pcp_allgather_restore_idx.numpy()],
+                          split.restored_req)
+
+
+@settings(**SETTINGS)
+@given(reqs=batches(), pcp=st.sampled_from((1,) + PCP_SIZES))
+def test_prefill_real_kv_idx_picks_the_real_step_rows(reqs, pcp):
+    """Step rows = decode rows, then each prefill's (padded) tokens in order; the encoder-only
+    index picks exactly the prefills' real tokens, in order."""
+    _, metas = build_all(reqs, CPConfig(pcp_size=pcp))
+    decodes = expected_decode_tokens(reqs)
+    step_rows = decodes + (expected_restored(reqs, pcp) if pcp > 1 else
+                           [t for off, r in zip(token_offsets(reqs), reqs) if not r.is_decode
+                            for t in range(off, off + r.new)])
+    for meta in metas.values():
+        idx = lst(meta.prefill_real_kv_idx)
+        assert [step_rows[i] for i in idx] == [t for t in step_rows[len(decodes):] if t != PAD]
+        assert lst(meta.prefill_real_cu_seqlens)[-1] == len(idx)
+        assert len(meta.step_slot_mapping) == len(step_rows)

@@ -10,7 +10,6 @@ On top of the single-device plan it adds the data movement:
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from cp_attention.comm import Communicator
@@ -57,49 +56,50 @@ class CPAttentionImpl(BaseAttentionImpl):
         return handle.wait() if isinstance(handle, _PendingStepKV) else handle
 
     def _prefill_self_attention(self, q, k, v, step_kv, meta):
+        """Head chunk and tail chunk of every prefill, each over the keys before it and its
+        causal diagonal; the diagonals need only local rows, so they run while the K/V
+        all-gather is in flight."""
         split = meta.pcp
         if split is None or not self.causal:
             return super()._prefill_self_attention(q, k, v, step_kv, meta)
         nd = meta.num_decode_tokens
-        q_pre = q[nd:]
-        device = q.device
-        cu_q = _cumsum0(split.attn_mask_seqlens[0])
-        diagonals = []
+        q_pre, k_loc, v_loc = q[nd:], k[nd:], v[nd:]
+        head, tail = split.head, split.tail
+        cu_q = split.chunk_cu_seqlens
+        head_diag = tail_diag = None
         if self.sliding_window is None:
-            # The causal diagonal of each chunk needs only this rank's rows: compute both while
-            # the all-gather of the other ranks' K/V is in flight.
-            for q_idx in (split.q_head_idx.to(device), split.q_tail_idx.to(device)):
-                rows = nd + q_idx
-                diagonals.append(self.ops.varlen_attention(
-                    q[rows], k[rows], v[rows], cu_q, cu_q, scale=self.scale, causal=True))
+            head_diag = self._chunk_diagonal(q_pre, k_loc, v_loc, head.q_idx, cu_q)
+            tail_diag = self._chunk_diagonal(q_pre, k_loc, v_loc, tail.q_idx, cu_q)
         step_k, step_v = self._wait_step_kv(step_kv)
         k_pre, v_pre = step_k[nd:], step_v[nd:]
-        parts = []
-        # Each chunk: keys before it (unmasked) merged with its causal diagonal; with a sliding
-        # window, one bottom-right causal call over both.
-        for q_idx, nomask_idx, full_idx, nomask_lens, chunk in (
-                (split.q_head_idx, split.kv_with_q_head_nomask_idx, split.kv_with_q_head_idx,
-                 split.head_attn_nomask_seqlens, split.pcp_rank),
-                (split.q_tail_idx, split.kv_with_q_tail_nomask_idx, split.kv_with_q_tail_idx,
-                 split.tail_attn_nomask_seqlens, 2 * split.pcp_size - 1 - split.pcp_rank)):
-            q_part = q_pre[q_idx.to(device)]
-            if self.sliding_window is not None:
-                full_idx = full_idx.to(device)
-                cu_k = _cumsum0(torch.from_numpy((chunk + 1) * split.chunk_lens))
-                parts.append(self.ops.varlen_attention(
-                    q_part, k_pre[full_idx], v_pre[full_idx], cu_q, cu_k, scale=self.scale,
-                    causal=True, window=self.sliding_window))
-                continue
-            nomask_idx = nomask_idx.to(device)
-            before = self.ops.varlen_attention(q_part, k_pre[nomask_idx], v_pre[nomask_idx], cu_q,
-                                               _cumsum0(nomask_lens[1]), scale=self.scale,
-                                               causal=False)
-            parts.append(self.ops.merge_attn_states(*before, *diagonals[len(parts)]))
-        out = parts[0][0].new_empty((q_pre.shape[0],) + parts[0][0].shape[1:])
-        lse = parts[0][1].new_empty((q_pre.shape[0],) + parts[0][1].shape[1:])
-        for q_idx, (part_out, part_lse) in zip((split.q_head_idx, split.q_tail_idx), parts):
-            out[q_idx.to(device)], lse[q_idx.to(device)] = part_out, part_lse
-        return out, lse
+        head_out, head_lse = self._chunk_attention(q_pre, k_pre, v_pre, head, cu_q, head_diag)
+        tail_out, tail_lse = self._chunk_attention(q_pre, k_pre, v_pre, tail, cu_q, tail_diag)
+        local_order = split.q_full_idx.to(q.device)  # [head rows | tail rows] -> local rows
+        return (torch.cat([head_out, tail_out])[local_order],
+                torch.cat([head_lse, tail_lse])[local_order])
+
+    def _chunk_diagonal(self, q_pre, k_loc, v_loc, q_idx, cu_q):
+        """Causal attention of one chunk over its own (local) rows: (out, lse) [sum c, ...]."""
+        rows = q_idx.to(q_pre.device)
+        return self.ops.varlen_attention(q_pre[rows], k_loc[rows], v_loc[rows], cu_q, cu_q,
+                                         scale=self.scale, causal=True)
+
+    def _chunk_attention(self, q_pre, k_pre, v_pre, chunk, cu_q, diagonal):
+        """Attention of one chunk (a :class:`ChunkPlan`) over the restored prefill K/V: the keys
+        before it merged with its ``diagonal``, or with a sliding window one bottom-right
+        causal call over both."""
+        device = q_pre.device
+        q_part = q_pre[chunk.q_idx.to(device)]
+        if self.sliding_window is not None:
+            kv_idx = chunk.kv_idx.to(device)
+            return self.ops.varlen_attention(q_part, k_pre[kv_idx], v_pre[kv_idx], cu_q,
+                                             chunk.cu_seqlens_k, scale=self.scale, causal=True,
+                                             window=self.sliding_window)
+        nomask_idx = chunk.kv_nomask_idx.to(device)
+        before = self.ops.varlen_attention(q_part, k_pre[nomask_idx], v_pre[nomask_idx], cu_q,
+                                           chunk.nomask_cu_seqlens_k, scale=self.scale,
+                                           causal=False)
+        return self.ops.merge_attn_states(*before, *diagonal)
 
     # -- cached context ------------------------------------------------------------------
     def _context_queries(self, query, meta):
@@ -153,7 +153,3 @@ class _PendingStepKV:
             self._parts = None
         return self._result
 
-
-def _cumsum0(lengths: torch.Tensor) -> torch.Tensor:
-    lengths = torch.as_tensor(np.asarray(lengths), dtype=torch.int64)
-    return torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])

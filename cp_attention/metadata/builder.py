@@ -1,6 +1,9 @@
 """Per-rank attention metadata built from a :class:`StepSpec` (pure: no process groups).
 
-Row layouts used below:
+``MetadataBuilder.build`` runs named stages, each a short pure function of numpy int64 arrays;
+the tensors the kernels take are made once, at the end (``torch.from_numpy``, no copy).
+
+Row layouts (:class:`RowLayout`):
   * local rows: what this rank feeds the layer: the decode tokens (every PCP rank holds all of
     them), then for each prefill its tokens (single device) or its [head, tail] chunks (PCP,
     pads included).
@@ -13,6 +16,7 @@ Row layouts used below:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -21,20 +25,19 @@ from cp_attention.config import CPConfig, CPRanks
 from cp_attention.metadata.checks import validate_ranks, validate_step
 from cp_attention.metadata.common import (AttentionState, StepSpec, classify_state, cumsum0,
                                           decode_mask, ranges_concat)
-from cp_attention.metadata.kv_layout import blocks_needed, local_count, slot_mapping
+from cp_attention.metadata.kv_layout import blocks_needed, local_count, segment_slots
 from cp_attention.metadata.pcp import PCPSplit, plan_pcp_split
-
-
-def _t(array: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
 
 
 @dataclass
 class AttentionMetadata:
-    """Everything one rank's attention needs for one step. Tensors are int64 on CPU."""
+    """Everything one rank's attention needs for one step.
+
+    Kernel inputs are int64 CPU tensors (``ctx_block_table`` keeps the step's block-table
+    dtype); host bookkeeping (request lists, per-rank lengths) is int64 numpy.
+    """
 
     state: AttentionState
-    num_reqs: int
     decode_reqs: np.ndarray  # [Nd] batch indices of decodes (batch order)
     prefill_reqs: np.ndarray  # [Np] batch indices of prefills (batch order)
     num_decode_tokens: int
@@ -45,7 +48,6 @@ class AttentionMetadata:
     decode_cu_seqlens: torch.Tensor  # [Nd + 1] over the decode rows
     prefill_cu_seqlens: torch.Tensor  # [Np + 1] over the local prefill rows
     pcp: PCPSplit | None  # head/tail split when pcp_size > 1
-    prefill_real_kv_idx: torch.Tensor  # step prefill rows that are real tokens (encoder-only)
     prefill_real_cu_seqlens: torch.Tensor  # [Np + 1] over prefill_real_kv_idx
     step_slot_mapping: torch.Tensor  # [step rows] cache slot on this rank, -1 = not stored here
     has_context: bool  # some request has cached context (same on every rank)
@@ -59,6 +61,19 @@ class AttentionMetadata:
     num_computed_tokens_of_pcp_dcp: np.ndarray  # [R, pcp, dcp] local context lengths, batch order
     sliding_window: int | None
 
+    @cached_property
+    def prefill_real_kv_idx(self) -> torch.Tensor:
+        """[prefill tokens] step rows of the prefills' real tokens (encoder-only attention,
+        which alone reads it: made on first use, once per step)."""
+        new_lens = np.diff(self.prefill_real_cu_seqlens.numpy())
+        rows = new_lens if self.pcp is None else 2 * self.pcp.pcp_size * self.pcp.chunk_lens
+        first_row = self.num_decode_tokens + cumsum0(rows)[:-1]
+        return torch.from_numpy(ranges_concat(first_row, new_lens))
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.decode_reqs) + len(self.prefill_reqs)
+
     @property
     def num_prefills(self) -> int:
         return len(self.prefill_reqs)
@@ -68,8 +83,166 @@ class AttentionMetadata:
         return len(self.decode_reqs)
 
 
+# -- row layouts --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RowLayout:
+    """Rows as segments ([S] int64 each): segment k is ``length[k]`` rows of request ``req[k]``
+    (batch index) at offsets ``start[k] ..`` of its padded new tokens; its first ``real[k]``
+    rows are real tokens, the rest pads (pads only trail a request)."""
+
+    req: np.ndarray
+    start: np.ndarray
+    length: np.ndarray
+    real: np.ndarray
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.length.sum())
+
+    def __add__(self, other: RowLayout) -> RowLayout:
+        return RowLayout(*(np.concatenate([a, b]) for a, b in
+                           ((self.req, other.req), (self.start, other.start),
+                            (self.length, other.length), (self.real, other.real))))
+
+    def ranges(self, first: np.ndarray) -> np.ndarray:
+        """[rows] ``first[k] + j`` for row j of segment k (first: [S])."""
+        return ranges_concat(first, self.length)
+
+    def pad_rows(self) -> np.ndarray | None:
+        """[rows] bool, True on pads; None when every row is real."""
+        if np.array_equal(self.real, self.length):
+            return None
+        return self.ranges(-self.real) >= 0
+
+
+def whole_requests(reqs: np.ndarray, new_lens: np.ndarray, rows: np.ndarray) -> RowLayout:
+    """One segment per request: ``rows`` ([n]) rows of which the first ``new_lens`` are real."""
+    return RowLayout(reqs, np.zeros(len(reqs), dtype=np.int64), rows, new_lens)
+
+
+def pcp_local_rows(prefills: np.ndarray, new_lens: np.ndarray, split: PCPSplit) -> RowLayout:
+    """Each prefill's head chunk then its tail chunk (2 segments of c rows per prefill)."""
+    c = split.chunk_lens
+    start = np.empty((len(c), 2), dtype=np.int64)
+    start[:, 0], start[:, 1] = split.head_chunk * c, split.tail_chunk * c
+    start = start.reshape(-1)
+    length = np.repeat(c, 2)
+    real = np.minimum(np.maximum(np.repeat(new_lens, 2) - start, 0), length)
+    return RowLayout(np.repeat(prefills, 2), start, length, real)
+
+
+# -- stages ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PrefillPlan:
+    """Where the prefills' rows are on this rank."""
+
+    reqs: np.ndarray  # [Np] batch index of each prefill
+    split: PCPSplit | None
+    local: RowLayout  # local prefill rows
+    step: RowLayout  # step prefill rows (== local without PCP)
+    local_rows_per_req: np.ndarray  # [Np]
+    step_rows_per_req: np.ndarray  # [Np]
+
+
+def plan_prefills(prefills: np.ndarray, new_lens: np.ndarray, pcp_size: int, pcp_rank: int,
+                  windowed: bool) -> PrefillPlan:
+    """The prefill rows (local and step) of a rank; new_lens: [Np] new tokens per prefill."""
+    if pcp_size == 1:
+        rows = whole_requests(prefills, new_lens, new_lens)
+        return PrefillPlan(prefills, None, rows, rows, new_lens, new_lens)
+    split = plan_pcp_split(new_lens, pcp_size, pcp_rank, windowed)
+    padded = 2 * pcp_size * split.chunk_lens
+    return PrefillPlan(prefills, split, pcp_local_rows(prefills, new_lens, split),
+                       whole_requests(prefills, new_lens, padded), 2 * split.chunk_lens, padded)
+
+
+def token_rows(rows: RowLayout, step: StepSpec, num_input: int) -> tuple[np.ndarray, np.ndarray]:
+    """[num_input] (global token index, RoPE position) of each row; -1 / 0 on pads and on the
+    ``num_input - rows.num_rows`` trailing graph-padding rows."""
+    tokens = rows.ranges(step.cu_new_tokens[rows.req] + rows.start)
+    positions = rows.ranges(step.computed[rows.req] + rows.start)
+    pads = rows.pad_rows()
+    if pads is not None:
+        tokens[pads] = -1
+        positions[pads] = 0
+    extra = num_input - len(tokens)
+    if extra:
+        tokens = np.concatenate([tokens, np.full(extra, -1, dtype=np.int64)])
+        positions = np.concatenate([positions, np.zeros(extra, dtype=np.int64)])
+    return tokens, positions
+
+
+def step_slot_mapping(rows: RowLayout, step: StepSpec, block_table: np.ndarray,
+                      config: CPConfig, kv_rank: int) -> np.ndarray:
+    """[step rows] cache slot of each step row on KV shard ``kv_rank``, -1 elsewhere."""
+    first_row = cumsum0(rows.length)[:-1]
+    return segment_slots(rows.req, first_row, step.computed[rows.req] + rows.start, rows.real,
+                         rows.num_rows, block_table, config.block_size, config.kv_world,
+                         kv_rank, config.cp_kv_interleave_size)
+
+
+@dataclass(frozen=True)
+class ContextPlan:
+    """Queries of cached context on this rank, requests in context order (decodes, prefills)."""
+
+    over_pcp: bool  # context rows are the step rows (queries gathered over PCP)
+    rows: RowLayout  # the context rows
+    order: np.ndarray  # [R] batch index of each request in context order
+    rows_per_req: np.ndarray  # [R] context rows of each request
+    seq_lens: np.ndarray  # [R] cached tokens of each request held by this rank
+    per_rank: np.ndarray  # [R, pcp, dcp] cached tokens held by every rank, batch order
+
+
+def plan_context(step: StepSpec, config: CPConfig, ranks: CPRanks, shard_grid: np.ndarray,
+                 decode_rows: RowLayout, prefill: PrefillPlan) -> ContextPlan:
+    """Which rows query the cached context, and how much of it each rank holds."""
+    over_pcp = prefill.split is not None and config.kv_shard == "cp"
+    rows = decode_rows + (prefill.step if over_pcp else prefill.local)
+    rows_per_req = np.concatenate([decode_rows.length, prefill.step_rows_per_req if over_pcp
+                                   else prefill.local_rows_per_req])
+    order = np.concatenate([decode_rows.req, prefill.reqs])
+    per_rank = local_count(step.computed[:, None, None], shard_grid[None], config.kv_world,
+                           config.cp_kv_interleave_size)
+    seq_lens = per_rank[order, ranks.pcp_rank, ranks.dcp_rank]
+    return ContextPlan(over_pcp, rows, order, rows_per_req, seq_lens, per_rank)
+
+
+def window_ranges(rows: RowLayout, step: StepSpec, window: int, config: CPConfig, kv_rank: int
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """[context rows] local key range [start, end) a query sees on this shard (sliding window).
+
+    A query at position p sees global keys [max(0, p - window + 1), p]; of these the cache
+    holds [.., context) (p >= context), stored here as local [local_count(lo), local_count(C)).
+    """
+    world, inter = config.kv_world, config.cp_kv_interleave_size
+    context = step.computed[rows.req]
+    pos = rows.ranges(context + rows.start)
+    context_of_row = np.repeat(context, rows.length)
+    lo = np.minimum(np.maximum(pos - window + 1, 0), context_of_row)
+    start = local_count(lo, kv_rank, world, inter)
+    end = np.repeat(local_count(context, kv_rank, world, inter), rows.length)
+    pads = rows.pad_rows()
+    if pads is not None:
+        start[pads] = 0
+        end[pads] = 0
+    return start, end
+
+
+def kv_shard_grid(config: CPConfig) -> np.ndarray:
+    """[pcp, dcp] KV shard index of every (pcp_rank, dcp_rank)."""
+    pcp, dcp = np.arange(config.pcp_size)[:, None], np.arange(config.dcp_size)[None, :]
+    return pcp * config.dcp_size + dcp if config.kv_shard == "cp" else 0 * pcp + dcp
+
+
+def _t(array: np.ndarray) -> torch.Tensor:
+    """An int64 (or bool) array as a CPU tensor sharing its memory."""
+    return torch.from_numpy(array)
+
+
 class MetadataBuilder:
     """Builds :class:`AttentionMetadata` for one rank of a single-device deployment."""
+
+    supports_cp = False
 
     def __init__(self, config: CPConfig | None = None, ranks: CPRanks | None = None,
                  sliding_window: int | None = None, num_blocks: int | None = None,
@@ -81,26 +254,16 @@ class MetadataBuilder:
         self.ranks = ranks or CPRanks()
         self.debug = debug
         validate_ranks(self.config, self.ranks)
+        if self.config.uses_cp and not self.supports_cp:
+            raise ValueError(f"MetadataBuilder is single-device; pcp_size={self.config.pcp_size}"
+                             f", dcp_size={self.config.dcp_size} need CPMetadataBuilder")
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
         self.sliding_window = sliding_window
         self.num_blocks = num_blocks
-        self._check_sizes()
+        self.kv_rank = self.config.kv_rank(self.ranks.pcp_rank, self.ranks.dcp_rank)
+        self._shard_grid = kv_shard_grid(self.config)
 
-    def _check_sizes(self) -> None:
-        if self.config.uses_cp:
-            raise ValueError(f"MetadataBuilder is single-device; pcp_size={self.config.pcp_size}"
-                             f", dcp_size={self.config.dcp_size} need CPMetadataBuilder")
-
-    # -- hooks the CP builder overrides -------------------------------------------------
-    def _split_prefills(self, new_lens: np.ndarray) -> PCPSplit | None:
-        return None
-
-    @property
-    def kv_shard(self) -> int:
-        return self.config.kv_rank(self.ranks.pcp_rank, self.ranks.dcp_rank)
-
-    # -- building ----------------------------------------------------------------------
     def build_for_graph_capture(self, num_tokens: int, max_blocks: int = 1) -> AttentionMetadata:
         """Metadata of a dummy decode-only batch of ``num_tokens`` requests (graph capture)."""
         step = StepSpec((1,) * num_tokens, (1,) * num_tokens,
@@ -110,117 +273,57 @@ class MetadataBuilder:
     def build(self, step: StepSpec, num_input_tokens: int | None = None) -> AttentionMetadata:
         """Plan one step for this rank; ``num_input_tokens`` pads the rows (graph capture)."""
         cfg = self.config
-        computed = np.asarray(step.num_computed_tokens, dtype=np.int64)
-        scheduled = np.asarray(step.num_scheduled_tokens, dtype=np.int64)
-        cu_new = step.cu_new_tokens
-        block_table = step.block_table.cpu().numpy()
-        self._check_block_table(computed + scheduled, block_table)
+        block_table = step.block_table.cpu()
+        table = block_table.numpy()
+        self._check_block_table(step.seq_lens, table)
         if self.debug:
             validate_step(step, cfg, self.num_blocks)
 
         is_decode = decode_mask(step, cfg.decode_threshold)
-        decodes, prefills = np.nonzero(is_decode)[0], np.nonzero(~is_decode)[0]
-
-        # Decode rows: identical on every PCP rank.
-        dec_lens = scheduled[decodes]
-        dec_req = np.repeat(decodes, dec_lens)
-        dec_off = ranges_concat(np.zeros(len(decodes), dtype=np.int64), dec_lens)
-
-        # Prefill rows: local and step (restored) layouts.
-        pre_lens = scheduled[prefills]
-        split = self._split_prefills(pre_lens)
-        if split is None:
-            loc_req = np.repeat(prefills, pre_lens)
-            loc_off = ranges_concat(np.zeros(len(prefills), dtype=np.int64), pre_lens)
-            step_req, step_off = loc_req, loc_off
-            prefill_rows_per_req = pre_lens
-            step_rows_per_req = pre_lens
-        else:
-            loc_req, loc_off = prefills[split.local_req], split.local_padded_pos
-            step_req, step_off = prefills[split.restored_req], split.restored_padded_pos
-            prefill_rows_per_req = 2 * split.chunk_lens
-            step_rows_per_req = 2 * cfg.pcp_size * split.chunk_lens
-        loc_real = loc_off < scheduled[loc_req]
-        step_real = step_off < scheduled[step_req]
-
-        num_actual = len(dec_req) + len(loc_req)
+        decodes, prefills = np.flatnonzero(is_decode), np.flatnonzero(~is_decode)
+        dec_lens, new_lens = step.scheduled[decodes], step.scheduled[prefills]
+        dec_rows = whole_requests(decodes, dec_lens, dec_lens)
+        pre = plan_prefills(prefills, new_lens, cfg.pcp_size, self.ranks.pcp_rank,
+                           self.sliding_window is not None)
+        local_rows, step_rows = dec_rows + pre.local, dec_rows + pre.step
+        num_actual = local_rows.num_rows
         num_input = num_actual if num_input_tokens is None else num_input_tokens
         if num_input < num_actual:
             raise ValueError(f"num_input_tokens ({num_input}) is smaller than the {num_actual} "
                              f"rows this rank computes")
-        pad = np.full(num_input - num_actual, -1, dtype=np.int64)
-        local_token_idx = np.concatenate([cu_new[dec_req] + dec_off,
-                                          np.where(loc_real, cu_new[loc_req] + loc_off, -1), pad])
-        positions = np.concatenate([computed[dec_req] + dec_off,
-                                    np.where(loc_real, computed[loc_req] + loc_off, 0), 0 * pad])
-
-        # KV written from step rows, tokens owned by this shard only.
-        all_step_req = np.concatenate([dec_req, np.where(step_real, step_req, -1)])
-        all_step_pos = np.concatenate([computed[dec_req] + dec_off, computed[step_req] + step_off])
-        step_slots = slot_mapping(all_step_req, all_step_pos, block_table, cfg.block_size,
-                                  cfg.kv_world, self.kv_shard, cfg.cp_kv_interleave_size)
-        if self.num_blocks is not None:
-            too_far = step_slots >= self.num_blocks * cfg.block_size
-            if too_far.any():
-                raise ValueError(f"slot_mapping: slot {int(step_slots[too_far][0])} is outside "
-                                 f"the cache of {self.num_blocks} blocks")
-        step_prefill_start = len(dec_req)
-        real_idx = step_prefill_start + np.nonzero(step_real)[0]
-
-        # Context: queries in request order (decodes, then prefills).
-        order = np.concatenate([decodes, prefills])
-        in_batch_order = bool((order == np.arange(len(order))).all())
-        ctx_over_pcp = split is not None and cfg.kv_shard == "cp"
-        rows_per_req = np.concatenate([dec_lens, step_rows_per_req if ctx_over_pcp
-                                       else prefill_rows_per_req])
-        ctx_lens = local_count(computed[order], self.kv_shard, cfg.kv_world,
-                               cfg.cp_kv_interleave_size)
+        tokens, positions = token_rows(local_rows, step, num_input)
+        slots = step_slot_mapping(step_rows, step, table, cfg, self.kv_rank)
+        ctx = plan_context(step, cfg, self.ranks, self._shard_grid, dec_rows, pre)
         kv_start = kv_end = None
         if self.sliding_window is not None:
-            row_req = np.concatenate([dec_req, step_req if ctx_over_pcp else loc_req])
-            row_off = np.concatenate([dec_off, step_off if ctx_over_pcp else loc_off])
-            row_real = np.concatenate([np.ones(len(dec_req), bool),
-                                       step_real if ctx_over_pcp else loc_real])
-            pos = computed[row_req] + row_off
-            context = computed[row_req]
-            lo = np.clip(pos - self.sliding_window + 1, 0, context)
-            hi = np.minimum(pos + 1, context)
-            shard, world, inter = self.kv_shard, cfg.kv_world, cfg.cp_kv_interleave_size
-            kv_start = _t(np.where(row_real, local_count(lo, shard, world, inter), 0))
-            kv_end = _t(np.where(row_real, local_count(hi, shard, world, inter), 0))
-
-        pcp_ranks = np.arange(cfg.pcp_size)[:, None]
-        dcp_ranks = np.arange(cfg.dcp_size)[None, :]
-        shards = pcp_ranks * cfg.dcp_size + dcp_ranks if cfg.kv_shard == "cp" else 0 * pcp_ranks + dcp_ranks
-        per_rank = local_count(computed[:, None, None], shards[None], cfg.kv_world,
-                               cfg.cp_kv_interleave_size)
+            kv_start, kv_end = map(_t, window_ranges(ctx.rows, step, self.sliding_window, cfg,
+                                                     self.kv_rank))
+        decodes_first = not (~is_decode[:-1] & is_decode[1:]).any()
 
         return AttentionMetadata(
-            state=classify_state(step, cfg.decode_threshold),
-            num_reqs=step.num_reqs,
+            state=classify_state(step, is_decode),
             decode_reqs=decodes,
             prefill_reqs=prefills,
-            num_decode_tokens=len(dec_req),
+            num_decode_tokens=dec_rows.num_rows,
             num_actual_tokens=num_actual,
             num_input_tokens=num_input,
-            local_token_idx=_t(local_token_idx),
+            local_token_idx=_t(tokens),
             positions=_t(positions),
             decode_cu_seqlens=_t(cumsum0(dec_lens)),
-            prefill_cu_seqlens=_t(cumsum0(prefill_rows_per_req)),
-            pcp=split,
-            prefill_real_kv_idx=_t(real_idx),
-            prefill_real_cu_seqlens=_t(cumsum0(pre_lens)),
-            step_slot_mapping=_t(step_slots),
-            has_context=bool((computed > 0).any()),
-            ctx_over_pcp=ctx_over_pcp,
-            ctx_cu_seqlens=_t(cumsum0(rows_per_req)),
-            ctx_block_table=(step.block_table.cpu() if in_batch_order
-                             else _t(block_table[order], step.block_table.dtype)),
-            ctx_seq_lens=_t(ctx_lens),
+            prefill_cu_seqlens=_t(cumsum0(pre.local_rows_per_req)),
+            pcp=pre.split,
+            prefill_real_cu_seqlens=_t(cumsum0(new_lens)),
+            step_slot_mapping=_t(slots),
+            has_context=bool(step.computed.any()),
+            ctx_over_pcp=ctx.over_pcp,
+            ctx_cu_seqlens=_t(cumsum0(ctx.rows_per_req)),
+            ctx_block_table=(block_table if decodes_first
+                             else block_table.index_select(0, _t(ctx.order))),
+            ctx_seq_lens=_t(ctx.seq_lens),
             ctx_kv_start=kv_start,
             ctx_kv_end=kv_end,
-            batch_seq_mask=_t(ctx_lens == 0, torch.bool),
-            num_computed_tokens_of_pcp_dcp=per_rank,
+            batch_seq_mask=_t(ctx.seq_lens == 0),
+            num_computed_tokens_of_pcp_dcp=ctx.per_rank,
             sliding_window=self.sliding_window,
         )
 
@@ -229,7 +332,7 @@ class MetadataBuilder:
         cfg = self.config
         needed = blocks_needed(seq_lens, cfg.block_size, cfg.kv_world)
         have = block_table.shape[1]
-        short = np.nonzero(needed > have)[0]
+        short = np.flatnonzero(needed > have)
         if len(short):
             r = int(short[0])
             raise ValueError(f"block_table has {have} blocks per request but request {r} needs "
@@ -247,17 +350,6 @@ class MetadataBuilder:
 
 
 class CPMetadataBuilder(MetadataBuilder):
-    """Metadata builder when pcp_size > 1 or dcp_size > 1."""
+    """Metadata builder when pcp_size > 1 or dcp_size > 1 (same stages, any sizes)."""
 
-    def _check_sizes(self) -> None:
-        cfg = self.config
-        for name, rank, size in (("pcp_rank", self.ranks.pcp_rank, cfg.pcp_size),
-                                 ("tp_rank", self.ranks.tp_rank, cfg.tp_size),
-                                 ("dcp_rank", self.ranks.dcp_rank, cfg.dcp_size)):
-            if not 0 <= rank < size:
-                raise ValueError(f"{name} ({rank}) must be in [0, {size})")
-
-    def _split_prefills(self, new_lens: np.ndarray) -> PCPSplit | None:
-        if self.config.pcp_size == 1:
-            return None
-        return plan_pcp_split(new_lens, self.config.pcp_size, self.ranks.pcp_rank)
+    supports_cp = True

@@ -1,8 +1,9 @@
-"""The step description and attention states (pure data and index math)."""
+"""The step description, attention states and the index helpers the planners share (pure)."""
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -16,6 +17,12 @@ def _as_ints(name: str, values) -> tuple[int, ...]:
             raise ValueError(f"{name}[{i}] = {value!r} is not an integer")
         out.append(int(value))
     return tuple(out)
+
+
+def _frozen_int64(values: tuple[int, ...]) -> np.ndarray:
+    array = np.array(values, dtype=np.int64)
+    array.flags.writeable = False
+    return array
 
 
 class AttentionState(enum.Enum):
@@ -37,6 +44,9 @@ class StepSpec:
     block_table: [R, max_blocks] integer tensor of (virtual) block ids per request.
     The step's new tokens are numbered in batch order: request r's tokens are global token
     indices ``cu_new_tokens[r] .. cu_new_tokens[r + 1] - 1``.
+
+    The tuples are the interface; the planners read the read-only int64 arrays
+    ``computed`` / ``scheduled`` / ``cu_new_tokens``, made once per step.
     """
 
     num_computed_tokens: tuple[int, ...]
@@ -53,16 +63,34 @@ class StepSpec:
                              f"num_scheduled_tokens has {len(scheduled)}")
         if not computed:
             raise ValueError("a step needs at least one request")
-        for r, (c, s) in enumerate(zip(computed, scheduled)):
-            if c < 0:
-                raise ValueError(f"num_computed_tokens[{r}] = {c} must be >= 0")
-            if s < 1:
-                raise ValueError(f"num_scheduled_tokens[{r}] = {s} must be >= 1")
+        for name, values, low in (("num_computed_tokens", self.computed, 0),
+                                  ("num_scheduled_tokens", self.scheduled, 1)):
+            bad = np.flatnonzero(values < low)
+            if len(bad):
+                r = int(bad[0])
+                raise ValueError(f"{name}[{r}] = {int(values[r])} must be >= {low}")
         bt = self.block_table
         if not isinstance(bt, torch.Tensor) or bt.dim() != 2 or bt.dtype.is_floating_point:
             raise ValueError("block_table must be a 2-D integer tensor [num_reqs, max_blocks]")
         if bt.shape[0] != len(computed):
             raise ValueError(f"block_table has {bt.shape[0]} rows for {len(computed)} requests")
+
+    @cached_property
+    def computed(self) -> np.ndarray:
+        """[R] int64 ``num_computed_tokens`` (read-only)."""
+        return _frozen_int64(self.num_computed_tokens)
+
+    @cached_property
+    def scheduled(self) -> np.ndarray:
+        """[R] int64 ``num_scheduled_tokens`` (read-only)."""
+        return _frozen_int64(self.num_scheduled_tokens)
+
+    @cached_property
+    def cu_new_tokens(self) -> np.ndarray:
+        """[R + 1] int64 offsets of each request's new tokens (read-only)."""
+        out = cumsum0(self.scheduled)
+        out.flags.writeable = False
+        return out
 
     @property
     def num_reqs(self) -> int:
@@ -70,51 +98,51 @@ class StepSpec:
 
     @property
     def seq_lens(self) -> np.ndarray:
-        return np.asarray(self.num_computed_tokens, dtype=np.int64) + \
-            np.asarray(self.num_scheduled_tokens, dtype=np.int64)
-
-    @property
-    def cu_new_tokens(self) -> np.ndarray:
-        return np.concatenate([[0], np.cumsum(self.num_scheduled_tokens)]).astype(np.int64)
+        """[R] int64 context + new tokens."""
+        return self.computed + self.scheduled
 
     @property
     def num_new_tokens(self) -> int:
-        return int(sum(self.num_scheduled_tokens))
+        return int(self.cu_new_tokens[-1])
 
 
 def decode_mask(spec: StepSpec, decode_threshold: int) -> np.ndarray:
     """[R] bool: request is a decode (cached context and at most ``decode_threshold`` new tokens)."""
-    computed = np.asarray(spec.num_computed_tokens)
-    scheduled = np.asarray(spec.num_scheduled_tokens)
-    return (computed > 0) & (scheduled <= decode_threshold)
+    return (spec.computed > 0) & (spec.scheduled <= decode_threshold)
 
 
-def classify_state(spec: StepSpec, decode_threshold: int) -> AttentionState:
-    """The attention state of a step."""
-    is_decode = decode_mask(spec, decode_threshold)
-    scheduled = np.asarray(spec.num_scheduled_tokens)
+def classify_state(spec: StepSpec, is_decode: np.ndarray) -> AttentionState:
+    """The attention state of a step whose decodes are ``is_decode`` ([R] bool)."""
     if is_decode.all():
-        return AttentionState.DecodeOnly if (scheduled == 1).all() else AttentionState.SpecDecoding
+        one_token = bool((spec.scheduled == 1).all())
+        return AttentionState.DecodeOnly if one_token else AttentionState.SpecDecoding
     if not is_decode.any():
-        has_context = np.asarray(spec.num_computed_tokens) > 0
-        return AttentionState.PrefillCacheHit if has_context.any() else AttentionState.PrefillNoCache
+        cache_hit = bool((spec.computed > 0).any())
+        return AttentionState.PrefillCacheHit if cache_hit else AttentionState.PrefillNoCache
     return AttentionState.ChunkedPrefill
 
 
 def cumsum0(lengths: np.ndarray) -> np.ndarray:
-    """[n] lengths -> [n + 1] offsets starting at 0 (int64)."""
+    """[n] lengths -> [n + 1] int64 offsets starting at 0."""
     out = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=out[1:])
     return out
 
 
 def ranges_concat(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenation of ``arange(s, s + n)`` for each (s, n), vectorized (int64)."""
-    starts = np.asarray(starts, dtype=np.int64)
-    lengths = np.asarray(lengths, dtype=np.int64)
-    total = int(lengths.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    offsets = cumsum0(lengths)
-    segment = np.repeat(np.arange(len(lengths)), lengths)
-    return starts[segment] + np.arange(total, dtype=np.int64) - offsets[segment]
+    """[sum(lengths)] int64: the concatenation of ``arange(s, s + n)`` for each (s, n).
+
+    starts, lengths: [n] int64 arrays (lengths >= 0). One output-sized temporary at most:
+    segments of equal length are shifted in place (no temporary; this also keeps large
+    outputs from doubling the memory the allocator has to fault in).
+    """
+    if len(lengths) == 1:
+        return np.arange(starts[0], starts[0] + lengths[0], dtype=np.int64)
+    ends = np.cumsum(lengths)
+    out = np.arange(ends[-1] if len(ends) else 0, dtype=np.int64)
+    shift = starts - (ends - lengths)
+    if len(out) and (lengths == lengths[0]).all():
+        out.reshape(len(lengths), -1)[...] += shift[:, None]
+    else:
+        out += np.repeat(shift, lengths)
+    return out

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from cp_attention.metadata.common import ranges_concat
+
 
 def kv_owner(positions: np.ndarray, world: int, interleave: int) -> np.ndarray:
     """KV shard that stores each token position."""
@@ -26,8 +28,8 @@ def local_count(lengths: np.ndarray, shard: int | np.ndarray, world: int, interl
     """Tokens among positions ``[0, L)`` owned by ``shard``, for each length L (vectorized)."""
     lengths = np.asarray(lengths, dtype=np.int64)
     base = (lengths // (interleave * world)) * interleave
-    rem = lengths - base * world
-    return base + np.clip(rem - np.asarray(shard) * interleave, 0, interleave)
+    rem = lengths - base * world - np.asarray(shard) * interleave
+    return base + np.minimum(np.maximum(rem, 0), interleave)
 
 
 def local_kv_lens(lengths: np.ndarray, world: int, interleave: int) -> np.ndarray:
@@ -39,6 +41,40 @@ def local_kv_lens(lengths: np.ndarray, world: int, interleave: int) -> np.ndarra
 def blocks_needed(lengths: np.ndarray, block_size: int, world: int) -> np.ndarray:
     """Virtual blocks a request of each length needs."""
     return -(-np.asarray(lengths, dtype=np.int64) // (block_size * world))
+
+
+def segment_slots(req: np.ndarray, first_row: np.ndarray, first_pos: np.ndarray,
+                  num_tokens: np.ndarray, num_rows: int, block_table: np.ndarray, block_size: int,
+                  world: int, shard: int, interleave: int) -> np.ndarray:
+    """[num_rows] int64 cache slot of each row on ``shard``, -1 where nothing is stored.
+
+    Rows come in segments: segment k holds request ``req[k]``'s tokens at global positions
+    ``first_pos[k] .. + num_tokens[k]`` in rows ``first_row[k] .. + num_tokens[k]`` (rows not
+    covered by a segment, e.g. pads, get -1). All inputs [S] int64. Closed form per segment:
+    the shard's tokens of a segment are the local positions ``[local_count(first_pos),
+    local_count(first_pos + num_tokens))``, so the work is proportional to the tokens this
+    shard stores, not to every row. Equals :func:`slot_mapping` over the rows (tested).
+    """
+    slots = np.full(num_rows, -1, dtype=np.int64)
+    local_lo = local_count(first_pos, shard, world, interleave)
+    owned = local_count(first_pos + num_tokens, shard, world, interleave) - local_lo
+    ends = np.cumsum(owned)
+    total = int(ends[-1]) if len(ends) else 0
+    if total == 0:
+        return slots
+    local = np.arange(total, dtype=np.int64)  # local positions stored here, segment by segment
+    local += np.repeat(local_lo - (ends - owned), owned)
+    row_shift = np.repeat(first_row - first_pos + shard * interleave, owned)
+    if interleave == 1:  # global position = local * world + shard
+        rows = local * world
+    else:
+        rows = (local // interleave) * (interleave * world) + local % interleave
+    rows += row_shift
+    flat_block = local // block_size
+    flat_block += np.repeat(req * block_table.shape[1], owned)
+    slots[rows] = np.multiply(block_table.reshape(-1)[flat_block], block_size, dtype=np.int64) \
+        + local % block_size
+    return slots
 
 
 def slot_mapping(req_idx: np.ndarray, positions: np.ndarray, block_table: np.ndarray,

@@ -5,11 +5,17 @@ chunks of ``c`` tokens. PCP rank ``r`` keeps chunk ``r`` (head) and chunk ``2 * 
 (tail), locally ordered per request as [head, tail]. Index names follow vLLM-Ascend's
 ``AscendPCPMetadata``; all K/V indices point into the *restored* layout: the requests' padded
 token rows back in order, request offsets = cumulative padded lengths.
+
+Every index is written in closed form per chunk (no argsort, no other rank's rows): with
+``C = cumsum0(c)`` (``P`` prefills), prefill ``i`` starts at local row ``2 C[i]``, at restored
+row ``2 pcp C[i]``, and chunk ``k`` of it lives on rank ``k`` (head, ``k < pcp``) or rank
+``2 pcp - 1 - k`` (tail) at local row ``2 C[i]`` or ``2 C[i] + c[i]``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -17,17 +23,36 @@ import torch
 from cp_attention.metadata.common import cumsum0, ranges_concat
 
 
+class ChunkPlan(NamedTuple):
+    """What attention of one query chunk (head or tail) of every prefill takes, on this rank."""
+
+    index: int  # chunk number k: pcp_rank (head) or 2 * pcp - 1 - pcp_rank (tail)
+    q_idx: torch.Tensor  # [sum c] local prefill rows of the chunk
+    kv_nomask_idx: torch.Tensor  # [k sum c] restored rows before the chunk (no mask)
+    nomask_cu_seqlens_k: torch.Tensor  # [P + 1] k * C
+    kv_idx: torch.Tensor | None  # [(k + 1) sum c] restored rows up to the chunk's end (window)
+    cu_seqlens_k: torch.Tensor  # [P + 1] (k + 1) * C
+
+
+def _tensor(array: np.ndarray) -> torch.Tensor:
+    """An int64 array as a tensor sharing its memory."""
+    return torch.from_numpy(array)
+
+
 @dataclass(frozen=True)
 class PCPSplit:
-    """The split of one step's prefills for one PCP rank. Index tensors are int64.
+    """The split of one step's ``P`` prefills for one PCP rank. Index tensors are int64.
 
-    Local rows: for each prefill, its head chunk then its tail chunk (``2 * c`` rows, pads
-    included). Restored rows: for each prefill, its padded tokens in order.
+    Local rows: for each prefill, its head chunk then its tail chunk (``2 c`` rows, pads
+    included). Restored rows: for each prefill, its ``2 pcp c`` padded tokens in order.
+    ``[2, P]`` seqlens are (query lens, key lens); ``cu_seqlens`` are their ``[P + 1]``
+    cumulative offsets, ready for varlen kernels.
     """
 
     pcp_size: int
     pcp_rank: int
-    chunk_lens: np.ndarray  # [P] c per prefill
+    chunk_lens: np.ndarray  # [P] c per prefill (host bookkeeping)
+    chunk_cu_seqlens: torch.Tensor  # [P + 1] C: query rows of one chunk (= its diagonal keys)
     q_head_idx: torch.Tensor  # [sum c] local rows of head chunks
     q_tail_idx: torch.Tensor  # [sum c] local rows of tail chunks
     q_full_idx: torch.Tensor  # [2 sum c] argsort(cat(q_head_idx, q_tail_idx))
@@ -38,18 +63,62 @@ class PCPSplit:
     attn_mask_seqlens: torch.Tensor  # [2, P] (query lens, key lens) of the masked parts
     head_attn_nomask_seqlens: torch.Tensor  # [2, P] (query lens, key lens), head unmasked part
     tail_attn_nomask_seqlens: torch.Tensor  # [2, P] (query lens, key lens), tail unmasked part
-    kv_with_q_head_idx: torch.Tensor  # nomask + mask rows per prefill (windowed attention)
-    kv_with_q_tail_idx: torch.Tensor  # nomask + mask rows per prefill (windowed attention)
+    head_nomask_cu_seqlens_k: torch.Tensor  # [P + 1] head * C
+    tail_nomask_cu_seqlens_k: torch.Tensor  # [P + 1] tail * C
+    kv_with_q_head_idx: torch.Tensor | None  # nomask + mask rows per prefill (window only)
+    kv_with_q_tail_idx: torch.Tensor | None  # nomask + mask rows per prefill (window only)
+    head_cu_seqlens_k: torch.Tensor  # [P + 1] (head + 1) * C
+    tail_cu_seqlens_k: torch.Tensor  # [P + 1] (tail + 1) * C
     pcp_allgather_restore_idx: torch.Tensor  # [pcp * 2 sum c]: restored = gathered[idx]
-    pcp_allgather_scatter_idx: torch.Tensor  # argsort(restore): gathered = restored[idx]
-    local_padded_pos: np.ndarray  # [2 sum c] position of each local row in its padded request
-    local_req: np.ndarray  # [2 sum c] prefill number (0..P-1) of each local row
-    restored_padded_pos: np.ndarray  # [pcp * 2 sum c] position of each restored row
-    restored_req: np.ndarray  # [pcp * 2 sum c] prefill number of each restored row
+    pcp_allgather_scatter_idx: torch.Tensor  # inverse of restore: gathered = restored[idx]
 
     @property
     def num_local_rows(self) -> int:
-        return int(2 * self.chunk_lens.sum())
+        return len(self.q_full_idx)
+
+    @property
+    def head_chunk(self) -> int:
+        return self.pcp_rank
+
+    @property
+    def tail_chunk(self) -> int:
+        return 2 * self.pcp_size - 1 - self.pcp_rank
+
+    @property
+    def head(self) -> ChunkPlan:
+        return ChunkPlan(self.head_chunk, self.q_head_idx, self.kv_with_q_head_nomask_idx,
+                         self.head_nomask_cu_seqlens_k, self.kv_with_q_head_idx,
+                         self.head_cu_seqlens_k)
+
+    @property
+    def tail(self) -> ChunkPlan:
+        return ChunkPlan(self.tail_chunk, self.q_tail_idx, self.kv_with_q_tail_nomask_idx,
+                         self.tail_nomask_cu_seqlens_k, self.kv_with_q_tail_idx,
+                         self.tail_cu_seqlens_k)
+
+    # -- host bookkeeping (tests, checkers, load-balance figures), made on first use ------
+    @cached_property
+    def local_req(self) -> np.ndarray:
+        """[2 sum c] prefill number (0..P-1) of each local row."""
+        return np.repeat(np.arange(len(self.chunk_lens)), 2 * self.chunk_lens)
+
+    @cached_property
+    def local_padded_pos(self) -> np.ndarray:
+        """[2 sum c] position of each local row in its padded request."""
+        c = self.chunk_lens
+        starts = np.concatenate([self.head_chunk * c, self.tail_chunk * c]).reshape(2, -1)
+        return ranges_concat(starts.T.reshape(-1), np.repeat(c, 2))
+
+    @cached_property
+    def restored_req(self) -> np.ndarray:
+        """[pcp * 2 sum c] prefill number of each restored row."""
+        return np.repeat(np.arange(len(self.chunk_lens)), 2 * self.pcp_size * self.chunk_lens)
+
+    @cached_property
+    def restored_padded_pos(self) -> np.ndarray:
+        """[pcp * 2 sum c] position of each restored row in its padded request."""
+        padded = 2 * self.pcp_size * self.chunk_lens
+        return ranges_concat(np.zeros(len(padded), dtype=np.int64), padded)
 
     @cached_property
     def pcp_prefill_mask(self) -> torch.Tensor:
@@ -61,66 +130,94 @@ class PCPSplit:
         return torch.ones(2048, 2048, dtype=torch.bool).triu(1)
 
 
-def _as_tensor(array: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64))
-
-
 def chunk_lens_for(new_lens: np.ndarray, pcp_size: int) -> np.ndarray:
-    """Chunk size c of each prefill: ceil(len / (2 * pcp))."""
+    """[P] int64 chunk size c of each prefill: ceil(len / (2 * pcp))."""
     return -(-np.asarray(new_lens, dtype=np.int64) // (2 * pcp_size))
 
 
-def rank_rows(chunk_lens: np.ndarray, pcp_size: int, rank: int) -> tuple[np.ndarray, np.ndarray]:
-    """Local rows of ``rank``: (prefill number, position in padded request) of each row."""
-    num = len(chunk_lens)
-    head, tail = rank, 2 * pcp_size - 1 - rank
-    # Per prefill two segments: [head * c, head * c + c) then [tail * c, tail * c + c).
-    starts = np.stack([head * chunk_lens, tail * chunk_lens], axis=1).reshape(-1)
-    lengths = np.repeat(chunk_lens, 2)
-    padded_pos = ranges_concat(starts, lengths)
-    req = np.repeat(np.arange(num), 2 * chunk_lens)
-    return req, padded_pos
+def restore_index(chunk_lens: np.ndarray, pcp_size: int) -> np.ndarray:
+    """[pcp * 2 sum c] gathered row of each restored row (closed form per chunk).
+
+    Restored row ``(i, k, j)`` (prefill i, chunk k, row j) was sent by rank ``q(k)`` (``k`` or
+    ``2 pcp - 1 - k``) as its head (``k < pcp``) or tail chunk: gathered row
+    ``q(k) * 2 sum c + 2 C[i] + [k >= pcp] c[i] + j``.
+    """
+    c = chunk_lens
+    k = np.arange(2 * pcp_size)
+    sender = np.minimum(k, 2 * pcp_size - 1 - k)
+    is_tail = k >= pcp_size
+    local_start = 2 * np.cumsum(c) - 2 * c
+    starts = np.outer(c, is_tail)  # [P, 2 pcp]
+    starts += sender * (2 * int(c.sum()))
+    starts += local_start[:, None]
+    return ranges_concat(starts.reshape(-1), np.repeat(c, 2 * pcp_size))
 
 
-def plan_pcp_split(new_lens: np.ndarray, pcp_size: int, pcp_rank: int) -> PCPSplit:
-    """Plan the head/tail split of prefills with ``new_lens`` new tokens for ``pcp_rank``."""
+def scatter_index(chunk_lens: np.ndarray, pcp_size: int) -> np.ndarray:
+    """[pcp * 2 sum c] restored row of each gathered row: the inverse of :func:`restore_index`.
+
+    Gathered row ``(q, i, h, j)`` (rank q, prefill i, head/tail h, row j) is restored row
+    ``2 pcp C[i] + k c[i] + j`` with ``k = q`` (head) or ``2 pcp - 1 - q`` (tail).
+    """
+    c = chunk_lens
+    q = np.arange(pcp_size)
+    chunk = np.empty((pcp_size, 1, 2), dtype=np.int64)  # [pcp, 1, (head, tail)]
+    chunk[:, 0, 0], chunk[:, 0, 1] = q, 2 * pcp_size - 1 - q
+    restored_start = 2 * pcp_size * (np.cumsum(c) - c)
+    starts = chunk * c[:, None]  # [pcp, P, 2]
+    starts += restored_start[:, None]
+    lengths = np.empty((pcp_size, len(c), 2), dtype=np.int64)
+    lengths[...] = c[:, None]
+    return ranges_concat(starts.reshape(-1), lengths.reshape(-1))
+
+
+def plan_pcp_split(new_lens: np.ndarray, pcp_size: int, pcp_rank: int, windowed: bool = False
+                   ) -> PCPSplit:
+    """Plan the head/tail split of prefills with ``new_lens`` ([P]) new tokens for ``pcp_rank``.
+
+    windowed: also make ``kv_with_q_{head,tail}_idx`` (one windowed call per chunk instead of
+    unmasked + diagonal); None otherwise.
+    """
     if not 0 <= pcp_rank < pcp_size:
         raise ValueError(f"pcp_rank ({pcp_rank}) must be in [0, pcp_size={pcp_size})")
-    chunk = chunk_lens_for(new_lens, pcp_size)
-    num = len(chunk)
+    c = chunk_lens_for(new_lens, pcp_size)
     head, tail = pcp_rank, 2 * pcp_size - 1 - pcp_rank
-    local_offsets = cumsum0(2 * chunk)[:-1]
-    padded_offsets = cumsum0(2 * pcp_size * chunk)[:-1]
-    q_head = ranges_concat(local_offsets, chunk)
-    q_tail = ranges_concat(local_offsets + chunk, chunk)
-    local_req, local_pos = rank_rows(chunk, pcp_size, pcp_rank)
-
-    gathered = [rank_rows(chunk, pcp_size, r) for r in range(pcp_size)]  # rank-major
-    gathered_req = np.concatenate([g[0] for g in gathered])
-    gathered_pos = np.concatenate([g[1] for g in gathered])
-    restore = np.argsort(padded_offsets[gathered_req] + gathered_pos, kind="stable")
-
-    zeros = np.zeros(num, dtype=np.int64)
+    cu = cumsum0(c)  # [P + 1]
+    total = int(cu[-1])
+    # Per chunk row (prefill i, row j): arange = C[i] + j; first = C[i]; size = c[i].
+    arange = np.arange(total, dtype=np.int64)
+    first, size = np.repeat(cu[:-1], c), np.repeat(c, c)
+    q_head = arange + first  # local row 2 C[i] + j
+    restored = arange + (2 * pcp_size - 1) * first  # restored row 2 pcp C[i] + j
+    restored_start = 2 * pcp_size * cu[:-1]  # first restored row of each prefill
+    q_full = np.empty(2 * total, dtype=np.int64)  # local row -> row of cat(head, tail)
+    q_full[q_head] = arange
+    q_full[q_head + size] = arange + total
+    head_kv = tail_kv = None
+    if windowed:
+        head_kv = _tensor(ranges_concat(restored_start, (head + 1) * c))
+        tail_kv = _tensor(ranges_concat(restored_start, (tail + 1) * c))
     return PCPSplit(
         pcp_size=pcp_size,
         pcp_rank=pcp_rank,
-        chunk_lens=chunk,
-        q_head_idx=_as_tensor(q_head),
-        q_tail_idx=_as_tensor(q_tail),
-        q_full_idx=_as_tensor(np.argsort(np.concatenate([q_head, q_tail]), kind="stable")),
-        kv_with_q_head_nomask_idx=_as_tensor(ranges_concat(padded_offsets, head * chunk)),
-        kv_with_q_head_mask_idx=_as_tensor(ranges_concat(padded_offsets + head * chunk, chunk)),
-        kv_with_q_tail_nomask_idx=_as_tensor(ranges_concat(padded_offsets, tail * chunk)),
-        kv_with_q_tail_mask_idx=_as_tensor(ranges_concat(padded_offsets + tail * chunk, chunk)),
-        attn_mask_seqlens=_as_tensor(np.stack([chunk, chunk])),
-        head_attn_nomask_seqlens=_as_tensor(np.stack([chunk, head * chunk + zeros])),
-        tail_attn_nomask_seqlens=_as_tensor(np.stack([chunk, tail * chunk + zeros])),
-        kv_with_q_head_idx=_as_tensor(ranges_concat(padded_offsets, (head + 1) * chunk)),
-        kv_with_q_tail_idx=_as_tensor(ranges_concat(padded_offsets, (tail + 1) * chunk)),
-        pcp_allgather_restore_idx=_as_tensor(restore),
-        pcp_allgather_scatter_idx=_as_tensor(np.argsort(restore, kind="stable")),
-        local_padded_pos=local_pos,
-        local_req=local_req,
-        restored_padded_pos=gathered_pos[restore],
-        restored_req=gathered_req[restore],
+        chunk_lens=c,
+        chunk_cu_seqlens=_tensor(cu),
+        q_head_idx=_tensor(q_head),
+        q_tail_idx=_tensor(q_head + size),
+        q_full_idx=_tensor(q_full),
+        kv_with_q_head_nomask_idx=_tensor(ranges_concat(restored_start, head * c)),
+        kv_with_q_head_mask_idx=_tensor(restored + head * size),
+        kv_with_q_tail_nomask_idx=_tensor(ranges_concat(restored_start, tail * c)),
+        kv_with_q_tail_mask_idx=_tensor(restored + tail * size),
+        attn_mask_seqlens=_tensor(np.concatenate([c, c]).reshape(2, -1)),
+        head_attn_nomask_seqlens=_tensor(np.concatenate([c, head * c]).reshape(2, -1)),
+        tail_attn_nomask_seqlens=_tensor(np.concatenate([c, tail * c]).reshape(2, -1)),
+        head_nomask_cu_seqlens_k=_tensor(head * cu),
+        tail_nomask_cu_seqlens_k=_tensor(tail * cu),
+        kv_with_q_head_idx=head_kv,
+        kv_with_q_tail_idx=tail_kv,
+        head_cu_seqlens_k=_tensor((head + 1) * cu),
+        tail_cu_seqlens_k=_tensor((tail + 1) * cu),
+        pcp_allgather_restore_idx=_tensor(restore_index(c, pcp_size)),
+        pcp_allgather_scatter_idx=_tensor(scatter_index(c, pcp_size)),
     )
