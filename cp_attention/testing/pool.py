@@ -13,6 +13,7 @@ import importlib
 import os
 import queue
 import socket
+import time
 import traceback
 from datetime import timedelta
 
@@ -119,14 +120,21 @@ class RankPool:
         for inbox in self._inboxes:
             inbox.put((fn_path, args))
         results, errors = {}, {}
-        try:
-            while len(results) + len(errors) < self.world_size:
-                rank, ok, value = self._outbox.get(timeout=timeout_s)
-                (results if ok else errors)[rank] = value
-        except queue.Empty:
-            self.close()
-            raise TimeoutError(f"{fn_path}: ranks {sorted(set(range(self.world_size)) - set(results) - set(errors))}"
-                               f" did not finish within {timeout_s} s; errors: {errors}") from None
+        deadline = time.monotonic() + timeout_s
+        while len(results) + len(errors) < self.world_size:
+            try:
+                rank, ok, value = self._outbox.get(timeout=1.0)
+            except queue.Empty:
+                pending = sorted(set(range(self.world_size)) - set(results) - set(errors))
+                dead = {r: self._procs[r].exitcode for r in pending if not self._procs[r].is_alive()}
+                if dead or time.monotonic() > deadline:
+                    self.close()
+                    why = (f"exited (exit codes {dead})" if dead
+                           else f"did not finish within {timeout_s} s")
+                    raise TimeoutError(f"{fn_path}: ranks {sorted(dead) or pending} {why}; "
+                                       f"errors: {errors}") from None
+                continue
+            (results if ok else errors)[rank] = value
         if errors:
             self.close()  # ranks may be stuck in a collective: restart next time
             detail = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
@@ -141,6 +149,8 @@ class RankPool:
                 except Exception:
                     pass
         for proc in self._procs:
+            if proc.pid is None:  # never started
+                continue
             proc.join(timeout=2)
             if proc.is_alive():
                 proc.kill()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,6 +28,8 @@ from cp_attention.testing.dense import dense_attention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float64": torch.float64}
+# Largest |layer output - float64 oracle| the launchers accept, per activation dtype.
+ORACLE_TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}
 
 
 @dataclass(frozen=True)
@@ -109,11 +112,12 @@ class RankReport:
 
 def run_workload(w: Workload, rank: int = 0, groups: CPGroups | None = None,
                  check: bool = True, device: torch.device | str | None = None,
-                 ops: AttentionOps | None = None) -> RankReport:
+                 ops: AttentionOps | None = None,
+                 on_step: Callable[[int], None] | None = None) -> RankReport:
     """Run every step on ``rank``; compare each real output row with the fp64 oracle.
 
     device: where the layer runs (default ``groups.device``, else the CPU); ops: the attention
-    ops (default ``get_ops(device)``).
+    ops (default ``get_ops(device)``); on_step: called with the step index after each step.
     """
     cfg = w.config
     cfg.validate_heads(w.num_heads, w.num_kv_heads)
@@ -147,7 +151,7 @@ def run_workload(w: Workload, rank: int = 0, groups: CPGroups | None = None,
     max_blocks = max(len(b) for b in blocks.values())
     comm = getattr(impl, "comm", None)
     q_sel, kv_sel = list(q_heads), list(kv_heads)
-    for step in w.steps:
+    for step_idx, step in enumerate(w.steps):
         reqs = [r for r, _ in step]
         table = torch.zeros(len(reqs), max_blocks, dtype=torch.int32)
         for i, r in enumerate(reqs):
@@ -164,10 +168,11 @@ def run_workload(w: Workload, rank: int = 0, groups: CPGroups | None = None,
         k = torch.zeros(rows, len(kv_sel), w.head_size, dtype=dtype)
         v = torch.zeros_like(k)
         positions = meta.positions.numpy()
-        for row in np.nonzero(real)[0]:
-            tq, tk, tv = tokens[reqs[slot[row]]]
-            p = positions[row]
-            q[row], k[row], v[row] = tq[p, q_sel], tk[p, kv_sel], tv[p, kv_sel]
+        for i, r in enumerate(reqs):  # each request's rows at once
+            mine = torch.from_numpy(np.nonzero(real & (slot == i))[0])
+            pos = torch.from_numpy(positions[mine.numpy()])
+            tq, tk, tv = tokens[r]
+            q[mine], k[mine], v[mine] = tq[pos][:, q_sel], tk[pos][:, kv_sel], tv[pos][:, kv_sel]
         q, k, v = q.to(device), k.to(device), v.to(device)
         before = comm.total_bytes if comm is not None else 0
         device_module.synchronize()
@@ -197,6 +202,8 @@ def run_workload(w: Workload, rank: int = 0, groups: CPGroups | None = None,
         report.max_err = max(report.max_err, step_err)
         for r, n in step:
             computed[r] += n
+        if on_step is not None:
+            on_step(step_idx)
     if cache is not None:
         report.cache_bytes = cache.numel() * cache.element_size()
         if check:
