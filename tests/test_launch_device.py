@@ -1,4 +1,5 @@
-"""Device choice of the launchers: every branch of the pure choose_device, and the probe here."""
+"""Device choice of the launchers (every branch of the pure choose_device, the probe here) and
+the workload runner with a device's ops class."""
 from __future__ import annotations
 
 import sys
@@ -8,8 +9,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import npu_emulator
+from cp_attention.config import CPConfig
 from cp_attention.launch.device import (DeviceUnavailableError, choose_device,
                                         probe_device_counts, select_device)
+from cp_attention.ops import get_ops
+from cp_attention.ops.cuda import CudaOps
+from cp_attention.ops.npu import NpuOps
+from cp_attention.testing.workload import Workload, run_workload
 
 
 def choose(requested, cuda=0, npu=0, local_rank=0, local_world_size=1):
@@ -123,3 +130,34 @@ def test_forced_npu_without_torch_npu_says_so(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch_npu", None)  # import raises ImportError
     with pytest.raises(DeviceUnavailableError, match="needs torch_npu"):
         probe_device_counts("npu")
+
+
+# ------------------------------------------------- the runner uses the device's ops it is given
+
+MIXED = (((0, 70), (1, 1), (2, 33)), ((0, 1), (1, 1), (2, 1)), ((1, 40),),
+         ((0, 1), (2, 1), (3, 50)), ((0, 1), (1, 1), (3, 23)))
+
+
+def test_runner_reports_the_default_ops_of_its_device():
+    report = run_workload(Workload(CPConfig(), MIXED, num_heads=4, num_kv_heads=2), device="cpu")
+    assert (report.ops, report.device, report.backend) == (type(get_ops("cpu")).__name__, "cpu",
+                                                           None)
+    assert len(report.seconds_per_step) == len(MIXED)
+    assert 0 < report.max_err <= 1e-4 and report.cache_exact
+
+
+@pytest.mark.parametrize("kind", ["npu", "cuda"])
+def test_runner_runs_a_device_ops_class_end_to_end(monkeypatch, kind):
+    """The layer through NpuOps (over the torch_npu emulator) or CudaOps (explicit path) on CPU
+    tensors, every row against the float64 oracle: what run_cp/cp-attn do on a device."""
+    if kind == "npu":
+        emulator = npu_emulator.install(monkeypatch, strict=False)
+        ops = NpuOps(kernel_dtypes=None)  # every dtype to the (emulated) kernels
+    else:
+        emulator, ops = None, CudaOps()
+    report = run_workload(Workload(CPConfig(), MIXED, num_heads=4, num_kv_heads=2), ops=ops)
+    assert report.ops == type(ops).__name__
+    assert 0 < report.max_err <= 1e-4 and report.cache_exact and not report.any_nan
+    if emulator is not None:  # the fused attention, cache write and merge kernels all ran
+        kernels = {call[0] for call in emulator.calls}
+        assert {"fia", "reshape_and_cache", "attention_update"} <= kernels, kernels
