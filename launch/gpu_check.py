@@ -109,7 +109,8 @@ def contract(torch, dev, results) -> None:
 def check_workload(dtype: str = "float32") -> Workload:
     """Prefills (one of 1 token), a prefix hit, a chunked prefill and decodes; 8 q / 2 kv heads."""
     steps = (((0, 160), (1, 1), (2, 37)), ((0, 1), (1, 1), (2, 1)), ((1, 70),),
-             ((0, 1), (2, 1), (3, 100)), ((0, 1), (1, 1), (3, 47)), ((0, 1), (1, 1), (2, 1), (3, 1)))
+             ((0, 1), (2, 1), (3, 100)), ((0, 1), (1, 1), (3, 47)),
+             ((0, 1), (1, 1), (2, 1), (3, 1)))
     return Workload(CPConfig(), steps, num_heads=8, num_kv_heads=2, head_size=64, dtype=dtype)
 
 
@@ -186,7 +187,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="path of the JSON report")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                        help="auto: CUDA device 0 if present, else the CPU (and the report says so)")
+                        help="auto: CUDA device 0 if present, else the CPU (the report says so)")
     args = parser.parse_args(argv)
     cuda_count, _ = probe_device_counts("cuda")
     try:

@@ -39,7 +39,7 @@ class DeviceChoice:
 
     @property
     def device(self) -> torch.device:
-        return torch.device(self.type, self.index) if self.index is not None else torch.device(self.type)
+        return torch.device(self.type if self.index is None else f"{self.type}:{self.index}")
 
     def __str__(self) -> str:
         return self.type if self.index is None else f"{self.type}:{self.index}"
@@ -116,6 +116,6 @@ def select_device(requested: str, local_rank: int | None = None,
 
 
 def set_current_device(device: torch.device) -> None:
-    """``torch.cuda.set_device`` / ``torch.npu.set_device`` (nccl and hccl need it); no-op on CPU."""
+    """``torch.cuda.set_device`` / ``torch.npu.set_device`` (nccl, hccl need it); no-op on CPU."""
     if device.type != "cpu":
         torch.get_device_module(device).set_device(device)

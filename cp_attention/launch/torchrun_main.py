@@ -128,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         ok = all(r["max_err"] <= tol and r["cache_exact"] and not r["any_nan"] for r in reports)
     if rank == 0:
         print(f"{'rank':>4} {'pcp':>3} {'tp':>3} {'device':>7} {'ops':>13} {'rows':>8} "
-              f"{'KV bytes':>12} {'comm bytes':>12} {'attn s':>8} {'wall s':>7} {'max err':>9} cache")
+              f"{'KV bytes':>12} {'comm bytes':>12} {'attn s':>8} {'wall s':>7} {'max err':>9} "
+              "cache")
         for r, rep in enumerate(reports):
             pcp_rank, tp_rank = divmod(r, config.tp_size)
             check = (f"{rep['max_err']:>9.2e} {'exact' if rep['cache_exact'] else 'WRONG'}"

@@ -126,7 +126,8 @@ class RankPool:
                 rank, ok, value = self._outbox.get(timeout=1.0)
             except queue.Empty:
                 pending = sorted(set(range(self.world_size)) - set(results) - set(errors))
-                dead = {r: self._procs[r].exitcode for r in pending if not self._procs[r].is_alive()}
+                dead = {r: self._procs[r].exitcode for r in pending
+                        if not self._procs[r].is_alive()}
                 if dead or time.monotonic() > deadline:
                     self.close()
                     why = (f"exited (exit codes {dead})" if dead
