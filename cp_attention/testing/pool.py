@@ -1,9 +1,11 @@
-"""A persistent pool of gloo ranks on 127.0.0.1 that runs the same task on every rank.
+"""A persistent pool of local ranks on 127.0.0.1 that runs the same task on every rank.
 
 Spawning and connecting processes costs seconds; a pool pays it once and then runs many
-tasks (a task is an importable function ``fn(rank, get_groups, *args)``). A rank that raises
-or a task that exceeds its timeout fails the call with every rank's traceback, and the pool
-restarts on the next call.
+tasks (a task is an importable function ``fn(rank, get_groups, *args)``; ``get_groups(config)``
+returns the rank's :class:`CPGroups` and ``get_groups.device`` its device). The ranks run on
+the CPU over gloo by default; ``device_type="cuda"`` (nccl) or ``"npu"`` (hccl) puts rank ``i``
+on device ``i``. A rank that raises or a task that exceeds its timeout fails the call with
+every rank's traceback, and the pool restarts on the next call.
 """
 from __future__ import annotations
 
@@ -11,12 +13,15 @@ import importlib
 import os
 import queue
 import socket
+import time
 import traceback
 from datetime import timedelta
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from cp_attention.parallel import CPGroups
+from cp_attention.parallel import CPGroups, backend_for_device
 
 
 def free_port() -> int:
@@ -25,19 +30,38 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, inbox, outbox, collective_timeout_s: float) -> None:
-    import torch
-    import torch.distributed as dist
+class GroupCache:
+    """``get_groups`` of a pool task: one :class:`CPGroups` per config, on ``device``."""
 
+    def __init__(self, device: torch.device, collective_timeout_s: float) -> None:
+        self.device = device
+        self.collective_timeout_s = collective_timeout_s
+        self._groups: dict = {}
+
+    def __call__(self, config) -> CPGroups:
+        if config not in self._groups:
+            self._groups[config] = CPGroups.create(config, self.device,
+                                                   timeout_s=self.collective_timeout_s)
+        return self._groups[config]
+
+
+def rank_device(device_type: str, rank: int) -> torch.device:
+    """Rank ``rank``'s device: the CPU, or accelerator ``rank`` of ``device_type``."""
+    return torch.device("cpu") if device_type == "cpu" else torch.device(device_type, rank)
+
+
+def _worker(rank: int, world: int, port: int, inbox, outbox, collective_timeout_s: float,
+            device_type: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=collective_timeout_s))
-    groups_cache: dict = {}
-
-    def get_groups(config):
-        if config not in groups_cache:
-            groups_cache[config] = CPGroups.create(config, "cpu", timeout_s=collective_timeout_s)
-        return groups_cache[config]
+    if device_type == "npu" and not hasattr(torch, "npu"):
+        importlib.import_module("torch_npu")  # optional device package (autoload may be off)
+    device = rank_device(device_type, rank)
+    if device.type != "cpu":
+        torch.get_device_module(device).set_device(device)
+    dist.init_process_group(backend_for_device(device), init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world,
+                            timeout=timedelta(seconds=collective_timeout_s))
+    get_groups = GroupCache(device, collective_timeout_s)
 
     while True:
         task = inbox.get()
@@ -54,11 +78,17 @@ def _worker(rank: int, world: int, port: int, inbox, outbox, collective_timeout_
 
 
 class RankPool:
-    """``world_size`` gloo processes serving tasks; use as a context manager or call close()."""
+    """``world_size`` processes serving tasks; use as a context manager or call close().
 
-    def __init__(self, world_size: int, collective_timeout_s: float = 60.0) -> None:
+    device_type: "cpu" (gloo, the default), "cuda" or "npu" (one device per rank; the caller
+    checks there are enough, e.g. with :func:`cp_attention.launch.device.choose_device`).
+    """
+
+    def __init__(self, world_size: int, collective_timeout_s: float = 60.0,
+                 device_type: str = "cpu") -> None:
         self.world_size = world_size
         self.collective_timeout_s = collective_timeout_s
+        self.device_type = device_type
         self._procs: list = []
 
     def _start(self) -> None:
@@ -71,7 +101,8 @@ class RankPool:
         try:
             self._procs = [ctx.Process(target=_worker, daemon=True,
                                        args=(r, self.world_size, port, self._inboxes[r],
-                                             self._outbox, self.collective_timeout_s))
+                                             self._outbox, self.collective_timeout_s,
+                                             self.device_type))
                            for r in range(self.world_size)]
             for proc in self._procs:
                 proc.start()
@@ -89,14 +120,22 @@ class RankPool:
         for inbox in self._inboxes:
             inbox.put((fn_path, args))
         results, errors = {}, {}
-        try:
-            while len(results) + len(errors) < self.world_size:
-                rank, ok, value = self._outbox.get(timeout=timeout_s)
-                (results if ok else errors)[rank] = value
-        except queue.Empty:
-            self.close()
-            raise TimeoutError(f"{fn_path}: ranks {sorted(set(range(self.world_size)) - set(results) - set(errors))}"
-                               f" did not finish within {timeout_s} s; errors: {errors}") from None
+        deadline = time.monotonic() + timeout_s
+        while len(results) + len(errors) < self.world_size:
+            try:
+                rank, ok, value = self._outbox.get(timeout=1.0)
+            except queue.Empty:
+                pending = sorted(set(range(self.world_size)) - set(results) - set(errors))
+                dead = {r: self._procs[r].exitcode for r in pending
+                        if not self._procs[r].is_alive()}
+                if dead or time.monotonic() > deadline:
+                    self.close()
+                    why = (f"exited (exit codes {dead})" if dead
+                           else f"did not finish within {timeout_s} s")
+                    raise TimeoutError(f"{fn_path}: ranks {sorted(dead) or pending} {why}; "
+                                       f"errors: {errors}") from None
+                continue
+            (results if ok else errors)[rank] = value
         if errors:
             self.close()  # ranks may be stuck in a collective: restart next time
             detail = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
@@ -111,6 +150,8 @@ class RankPool:
                 except Exception:
                     pass
         for proc in self._procs:
+            if proc.pid is None:  # never started
+                continue
             proc.join(timeout=2)
             if proc.is_alive():
                 proc.kill()

@@ -1,28 +1,35 @@
 """Multi-step attention workloads run on one rank and checked against the fp64 oracle.
 
 A :class:`Workload` is a list of steps; each step schedules new tokens of some requests (a
-request's first step is its prompt, or a first chunk of it). Token data is generated from the
-seed, identically on every rank; each rank feeds its local rows and heads, runs the layer with
-a persistent KV cache, and compares its outputs with :func:`dense_attention` in float64.
+request's first step is its prompt, or a first chunk of it). Token data is generated on the CPU
+from the seed, identically on every rank; each rank feeds its local rows and heads on its
+device (the layer's inputs, output and persistent KV cache live there; metadata stays on the
+CPU as the builder makes it, and the impl moves what its ops index with), and compares its
+outputs, copied back to the CPU, with :func:`dense_attention` in float64.
 """
 from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from cp_attention.backend import CPAttentionBackend
 from cp_attention.config import CPConfig, CPRanks, heads_of_rank
 from cp_attention.metadata.common import StepSpec
 from cp_attention.metadata.kv_layout import blocks_needed, kv_owner, local_position
+from cp_attention.ops import AttentionOps, get_ops
 from cp_attention.parallel import CPGroups
 from cp_attention.testing.dense import dense_attention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float64": torch.float64}
+# Largest |layer output - float64 oracle| the launchers accept, per activation dtype.
+ORACLE_TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}
 
 
 @dataclass(frozen=True)
@@ -97,13 +104,28 @@ class RankReport:
     comm_bytes: int = 0
     comm_bytes_per_step: list[int] = field(default_factory=list)
     seconds: float = 0.0
+    seconds_per_step: list[float] = field(default_factory=list)  # forward, device synchronized
+    device: str = "cpu"  # where the layer's tensors lived
+    ops: str = ""  # class name of the attention ops that ran
+    backend: str | None = None  # collective backend of the default group (None: no group)
 
 
 def run_workload(w: Workload, rank: int = 0, groups: CPGroups | None = None,
-                 check: bool = True) -> RankReport:
-    """Run every step on ``rank``; compare each real output row with the fp64 oracle."""
+                 check: bool = True, device: torch.device | str | None = None,
+                 ops: AttentionOps | None = None,
+                 on_step: Callable[[int], None] | None = None) -> RankReport:
+    """Run every step on ``rank``; compare each real output row with the fp64 oracle.
+
+    device: where the layer runs (default ``groups.device``, else the CPU); ops: the attention
+    ops (default ``get_ops(device)``); on_step: called with the step index after each step.
+    """
     cfg = w.config
     cfg.validate_heads(w.num_heads, w.num_kv_heads)
+    if device is None:
+        device = groups.device if groups is not None else "cpu"
+    device = torch.device(device)
+    ops = ops if ops is not None else get_ops(device)
+    device_module = torch.get_device_module(device)
     ranks = groups.ranks if groups is not None else CPRanks.of(cfg, rank)
     q_heads, kv_heads = heads_of_rank(w.num_heads, w.num_kv_heads, cfg.tp_size, ranks.tp_rank)
     tokens = make_tokens(w)
@@ -113,7 +135,7 @@ def run_workload(w: Workload, rank: int = 0, groups: CPGroups | None = None,
     attn_type = "encoder_only" if w.encoder_only else "decoder"
     impl_kwargs = dict(num_heads=len(q_heads), head_size=w.head_size, scale=w.scale,
                        num_kv_heads=len(kv_heads), sliding_window=w.sliding_window,
-                       attn_type=attn_type)
+                       attn_type=attn_type, ops=ops)
     if cfg.uses_cp:
         impl = backend.get_impl_cls(cfg)(**impl_kwargs, groups=groups)
     else:
@@ -122,13 +144,14 @@ def run_workload(w: Workload, rank: int = 0, groups: CPGroups | None = None,
     cache = None
     if not w.encoder_only:
         cache = torch.zeros(backend.get_kv_cache_shape(num_blocks, cfg.block_size, len(kv_heads),
-                                                       w.head_size), dtype=dtype)
-    report = RankReport(rank=rank)
+                                                       w.head_size), dtype=dtype, device=device)
+    report = RankReport(rank=rank, device=str(device), ops=type(ops).__name__,
+                        backend=dist.get_backend() if dist.is_initialized() else None)
     computed: dict[int, int] = defaultdict(int)
     max_blocks = max(len(b) for b in blocks.values())
     comm = getattr(impl, "comm", None)
     q_sel, kv_sel = list(q_heads), list(kv_heads)
-    for step in w.steps:
+    for step_idx, step in enumerate(w.steps):
         reqs = [r for r, _ in step]
         table = torch.zeros(len(reqs), max_blocks, dtype=torch.int32)
         for i, r in enumerate(reqs):
@@ -145,14 +168,20 @@ def run_workload(w: Workload, rank: int = 0, groups: CPGroups | None = None,
         k = torch.zeros(rows, len(kv_sel), w.head_size, dtype=dtype)
         v = torch.zeros_like(k)
         positions = meta.positions.numpy()
-        for row in np.nonzero(real)[0]:
-            tq, tk, tv = tokens[reqs[slot[row]]]
-            p = positions[row]
-            q[row], k[row], v[row] = tq[p, q_sel], tk[p, kv_sel], tv[p, kv_sel]
+        for i, r in enumerate(reqs):  # each request's rows at once
+            mine = torch.from_numpy(np.nonzero(real & (slot == i))[0])
+            pos = torch.from_numpy(positions[mine.numpy()])
+            tq, tk, tv = tokens[r]
+            q[mine], k[mine], v[mine] = tq[pos][:, q_sel], tk[pos][:, kv_sel], tv[pos][:, kv_sel]
+        q, k, v = q.to(device), k.to(device), v.to(device)
         before = comm.total_bytes if comm is not None else 0
+        device_module.synchronize()
         start = time.perf_counter()
         out = impl.forward(None, q, k, v, cache, meta, output=torch.empty_like(q))
-        report.seconds += time.perf_counter() - start
+        device_module.synchronize()
+        report.seconds_per_step.append(time.perf_counter() - start)
+        report.seconds += report.seconds_per_step[-1]
+        out = out.cpu()
         report.comm_bytes_per_step.append((comm.total_bytes if comm is not None else 0) - before)
         report.any_nan |= bool(torch.isnan(out).any())
         report.rows_per_step.append(rows)
@@ -173,10 +202,13 @@ def run_workload(w: Workload, rank: int = 0, groups: CPGroups | None = None,
         report.max_err = max(report.max_err, step_err)
         for r, n in step:
             computed[r] += n
+        if on_step is not None:
+            on_step(step_idx)
     if cache is not None:
         report.cache_bytes = cache.numel() * cache.element_size()
         if check:
-            report.cache_exact = _cache_matches(w, cache, tokens, blocks, computed, ranks, kv_sel)
+            report.cache_exact = _cache_matches(w, cache.cpu(), tokens, blocks, computed, ranks,
+                                                kv_sel)
     report.comm_bytes = comm.total_bytes if comm is not None else 0
     return report
 
@@ -211,6 +243,7 @@ def _cache_matches(w, cache, tokens, blocks, computed, ranks, kv_sel) -> bool:
 
 
 def run_workload_task(rank: int, get_groups, w: Workload, check: bool = True) -> RankReport:
-    """Entry point for :class:`~cp_attention.testing.pool.RankPool` workers."""
+    """Entry point for :class:`~cp_attention.testing.pool.RankPool` workers (on the pool's
+    device)."""
     groups = get_groups(w.config) if w.config.uses_cp else None
-    return run_workload(w, rank, groups, check)
+    return run_workload(w, rank, groups, check, device=get_groups.device)
