@@ -1,4 +1,4 @@
-"""Causal prefill at 1 thread: our C++ ``varlen_attention`` vs PyTorch's CPU flash op, SDPA and
+"""Causal prefill at 1 thread: ``CpuOps.varlen_attention`` (C++ kernel) vs PyTorch's CPU flash op, SDPA and
 (when run in the vLLM venv) vLLM's ``cpu_attention_with_kv_cache`` in prefill mode.
 
     python -m benchmarks.bench_prefill_kernel --out results/ [--quick]
@@ -26,6 +26,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import REPO_ROOT, new_figure, save_figure, write_json
+from cp_attention.ops import CpuOps, get_ops
+from cp_attention.ops.cpu_build import load_cpu_extension
 
 NAME = "bench_prefill_kernel"
 # (tokens, q heads, kv heads, head size, dtype)
@@ -36,10 +38,12 @@ QUICK_CASES = [(256, 8, 8, 64, torch.float32), (256, 8, 2, 128, torch.bfloat16)]
 
 
 def _load_ours():
-    """The prefill kernel, built alone (CpuOps wires it once the build glue lands)."""
-    sys.path.insert(0, str(REPO_ROOT / "tests"))
-    from varlen_kernel_dev import load_varlen_kernel
-    return load_varlen_kernel()
+    """CpuOps with the C++ prefill kernel (fails loudly rather than timing ReferenceOps)."""
+    ops = get_ops("cpu")
+    if not isinstance(ops, CpuOps) or not hasattr(load_cpu_extension(), "varlen_attention"):
+        raise RuntimeError("the C++ CPU kernels are not available (build failed or "
+                           "CP_ATTENTION_OPS=reference)")
+    return ops
 
 
 def _vllm_ops():
@@ -59,7 +63,7 @@ def _callables(tokens, hq, hkv, d, dtype, ours, vllm_ops):
     scale = d ** -0.5
     qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, H, T, D] views
     calls = {
-        "ours": lambda: ours.varlen_attention(q, k, v, cu, cu, scale, True, 0),
+        "ours": lambda: ours.varlen_attention(q, k, v, cu, cu, scale=scale, causal=True),
         "aten_flash": lambda: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             qh, kh, vh, 0.0, True, scale=scale),
         "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(

@@ -1,4 +1,5 @@
-"""The C++ prefill kernel (``varlen_attention``) against ReferenceOps and the float64 oracle.
+"""The C++ prefill kernel (``CpuOps.varlen_attention``) against ReferenceOps and the float64
+oracle.
 
 Inputs of every dtype are compared with the float64 computation on the *same* (rounded) values,
 so the only error left is the kernel's float32 accumulation: the tolerance is tight for bf16
@@ -6,14 +7,15 @@ and fp16 too.
 """
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from cp_attention.ops import ReferenceOps
+from cp_attention.ops import CpuOps, ReferenceOps, get_ops
+from cp_attention.ops.cpu_build import forced_reference, load_cpu_extension
 from cp_attention.testing.dense import dense_attention
-
-from varlen_kernel_dev import load_varlen_kernel
 
 REF = ReferenceOps()
 OUT_TOL = 2e-5   # max |out - out64|; outputs are averages of N(0, 1) values
@@ -21,15 +23,24 @@ LSE_TOL = 2e-5   # max |lse - lse64| on rows that see keys
 
 
 @pytest.fixture(scope="module")
-def kernel():
-    return load_varlen_kernel()
+def kernel() -> CpuOps:
+    if forced_reference():
+        pytest.skip("CP_ATTENTION_OPS=reference: the C++ kernels are switched off")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a failed build is a failure here, not a fallback
+        extension = load_cpu_extension()
+    assert extension is not None and hasattr(extension, "varlen_attention")
+    ops = get_ops("cpu")
+    assert isinstance(ops, CpuOps)
+    return ops
 
 
 def _run(kernel, q, k, v, cu_q, cu_k, scale, causal, window, threads=1):
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return kernel.varlen_attention(q, k, v, cu_q, cu_k, scale, causal, window or 0)
+        return kernel.varlen_attention(q, k, v, cu_q, cu_k, scale=scale, causal=causal,
+                                       window=window)
     finally:
         torch.set_num_threads(previous)
 
@@ -154,6 +165,7 @@ def test_large_scores_do_not_overflow(kernel):
     """Scores in the hundreds: the running max keeps every exponent <= 0."""
     q, k, v, cu_q, cu_k = _make([120], [120], 2, 1, 64, torch.float32, 3)
     out, lse = _run(kernel, q * 8, k * 8, v, cu_q, cu_k, 1.0, True, None)
+    assert out.dtype == torch.float32
     ref_out, ref_lse = _oracle(q * 8, k * 8, v, [120], [120], 1.0, True, None)
     # float32 scores of ~2000 carry ~1e-4 absolute rounding: bound by PyTorch's float32 error
     f32_out, f32_lse = REF.varlen_attention(q * 8, k * 8, v, cu_q, cu_k, scale=1.0, causal=True)
@@ -167,6 +179,7 @@ def test_large_scores_do_not_overflow(kernel):
 @pytest.mark.parametrize("bad", ["window_without_causal", "float64", "mixed_dtypes", "heads",
                                  "cu_mismatch", "cu_decreasing"])
 def test_rejects_bad_arguments(kernel, bad):
+    """The C++ entry point checks what it relies on (CpuOps leaves value checks to callers)."""
     q, k, v, cu_q, cu_k = _make([4], [4], 4, 2, 64, torch.float32, 0)
     args = dict(q=q, k=k, v=v, cu_q=cu_q, cu_k=cu_k, causal=True, window=0)
     if bad == "window_without_causal":
@@ -182,5 +195,5 @@ def test_rejects_bad_arguments(kernel, bad):
     else:
         args.update(cu_q=torch.tensor([0, 5, 4]), cu_k=torch.tensor([0, 2, 4]))
     with pytest.raises(RuntimeError):
-        kernel.varlen_attention(args["q"], args["k"], args["v"], args["cu_q"], args["cu_k"],
+        load_cpu_extension().varlen_attention(args["q"], args["k"], args["v"], args["cu_q"], args["cu_k"],
                                 0.125, args["causal"], args["window"])

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -36,7 +37,7 @@ constexpr int64_t kLanes = 8;         // floats per vector
 constexpr int kRowBlock = 6;          // micro-kernel rows (accumulator rows in registers)
 constexpr int64_t kColBlock = 16;     // micro-kernel columns (two vectors)
 constexpr int64_t kBlockK = 96;       // keys per tile
-constexpr int64_t kTargetRows = 96;   // query rows (tokens x group heads) per work item
+constexpr int64_t kTargetRows = 192;  // query rows (tokens x group heads) per work item
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();

@@ -3,7 +3,7 @@
 
 #include <tuple>
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 // q: [Tq, Hq, D]; k, v: [Tk, Hkv, D] (Hq % Hkv == 0), float32 / bfloat16 / float16, any strides.
 // cu_seqlens_q / cu_seqlens_k: [R + 1] int32 or int64 cumulative lengths.
