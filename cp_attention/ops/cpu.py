@@ -1,0 +1,61 @@
+"""Fast CPU implementation of :class:`~cp_attention.ops.interface.AttentionOps`.
+
+``paged_attention`` and ``reshape_and_cache`` run the C++ kernels of ``ops/csrc`` (built on
+first use by :mod:`cp_attention.ops.cpu_build`): the paged cache is read in place, in its own
+dtype, with float32 accumulation. ``varlen_attention`` uses the C++ prefill kernel when the
+extension has one, ``ReferenceOps`` otherwise. float64 inputs go to ``ReferenceOps`` (the
+oracle's precision). Checks here are O(1) (shapes, dtypes); value checks are the caller's.
+"""
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from cp_attention.ops.merge import merge_attn_states
+from cp_attention.ops.reference import ReferenceOps
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class CpuOps:
+    """C++ CPU kernels behind the op interface; ``ReferenceOps`` for what they do not cover."""
+
+    name = "cpu"
+
+    def __init__(self, extension: ModuleType):
+        self._ext = extension
+        self._reference = ReferenceOps()
+        self._varlen = getattr(extension, "varlen_attention", None)
+
+    def varlen_attention(self, q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal,
+                         window=None):
+        if self._varlen is None or q.dtype not in _KERNEL_DTYPES or q.device.type != "cpu":
+            return self._reference.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                                    scale=scale, causal=causal, window=window)
+        if window is not None and not causal:
+            raise ValueError("a sliding window requires causal attention")
+        return self._varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, float(scale), bool(causal),
+                            0 if window is None else int(window))
+
+    def paged_attention(self, q, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens,
+                        *, scale, kv_start=None, kv_end=None):
+        if q.dtype not in _KERNEL_DTYPES or key_cache.dtype not in _KERNEL_DTYPES or \
+                q.device.type != "cpu" or key_cache.stride(-1) != 1 or \
+                value_cache.stride(-1) != 1:
+            return self._reference.paged_attention(
+                q, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, scale=scale,
+                kv_start=kv_start, kv_end=kv_end)
+        return self._ext.paged_attention(q, key_cache, value_cache, block_table, cu_seqlens_q,
+                                         seq_lens, float(scale), kv_start, kv_end)
+
+    def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping):
+        """Works on strided views (e.g. vLLM's ``[blocks, heads, slots, 2 * D]`` cache)."""
+        if key.device.type != "cpu" or key_cache.stride(-1) != 1 or \
+                value_cache.stride(-1) != 1:
+            self._reference.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+            return
+        self._ext.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+    def merge_attn_states(self, out_a, lse_a, out_b, lse_b):
+        return merge_attn_states(out_a, lse_a, out_b, lse_b)

@@ -1,0 +1,79 @@
+"""Builds and loads the C++ CPU attention kernels (``ops/csrc/*.cpp``) once per machine.
+
+The first call compiles every ``csrc/*.cpp`` into one extension with
+``torch.utils.cpp_extension.load`` (about a minute; ninja + a C++17 compiler), cached in
+torch's extension directory (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``)
+under a name that hashes the sources, the flags and the CPU's instruction set, so edited
+sources or another machine never load a stale binary. Processes starting at once share one
+build (cpp_extension's file lock). ``CP_ATTENTION_OPS=reference`` skips the build; a failed
+build returns ``None`` after one warning and callers use :class:`ReferenceOps`.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+from torch.utils.cpp_extension import load
+
+CSRC_DIR = Path(__file__).resolve().parent / "csrc"
+FORCE_ENV = "CP_ATTENTION_OPS"
+_CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fno-math-errno"]
+_LDFLAGS = ["-fopenmp"]
+
+
+def forced_reference() -> bool:
+    """True when ``CP_ATTENTION_OPS=reference`` asks for the pure-torch ops."""
+    return os.environ.get(FORCE_ENV, "").strip().lower() == "reference"
+
+
+def _cpu_signature() -> str:
+    """The instruction-set flags of this CPU (``-march=native`` binaries depend on them)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def extension_name(sources: list[Path]) -> str:
+    """Module name unique to the sources' contents, the flags and the CPU."""
+    digest = hashlib.sha256()
+    for path in sources:
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    digest.update(" ".join(_CFLAGS + _LDFLAGS).encode())
+    digest.update(_cpu_signature().encode())
+    return f"cp_attention_cpu_{digest.hexdigest()[:16]}"
+
+
+@functools.cache
+def load_cpu_extension() -> ModuleType | None:
+    """The compiled kernels module, or None (forced reference, or the build failed)."""
+    if forced_reference():
+        return None
+    sources = sorted(CSRC_DIR.glob("*.cpp"))
+    headers = sorted(CSRC_DIR.glob("*.h"))
+    try:
+        return load(name=extension_name(sources + headers), sources=[str(p) for p in sources],
+                    extra_include_paths=[str(CSRC_DIR)], extra_cflags=_CFLAGS,
+                    extra_ldflags=_LDFLAGS, verbose=False)
+    except Exception as exc:  # no compiler, no ninja, a compile error: fall back, loudly once
+        warnings.warn(f"cp_attention: building the C++ CPU attention kernels failed "
+                      f"({_first_error(exc)}); using the slower pure-torch ReferenceOps. "
+                      f"Set {FORCE_ENV}=reference to skip the build.", RuntimeWarning,
+                      stacklevel=2)
+        return None
+
+
+def _first_error(exc: Exception) -> str:
+    """The compiler's first error line of a failed build, else the exception's last line."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    errors = [line for line in lines if "error" in line.lower()]
+    return f"{type(exc).__name__}: {(errors or lines or [''])[0]}"

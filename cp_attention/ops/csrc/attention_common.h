@@ -1,0 +1,144 @@
+// Shared helpers of the CPU attention kernels: 8-lane float vectors, a vectorized exp,
+// dtype conversion to float32 and the online-softmax state.
+//
+// Vectors are GCC/Clang vector extensions (`vector_size(32)`): with -march=native they compile
+// to AVX2/FMA (or AVX-512 halves, or NEON pairs) without intrinsics, and unlike
+// at::vec::Vectorized they do not depend on the CPU_CAPABILITY macros ATen sets for its own
+// per-ISA builds. Register tiling is explicit (the compiler does not find it by itself).
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace cp_attention {
+
+constexpr int kLanes = 8;
+typedef float vf8 __attribute__((vector_size(32)));
+typedef int32_t vi8 __attribute__((vector_size(32)));
+typedef uint16_t vu16x8 __attribute__((vector_size(16)));
+typedef uint32_t vu32x8 __attribute__((vector_size(32)));
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline vf8 load8(const float* p) {
+  vf8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store8(float* p, vf8 v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline vf8 splat(float x) { return vf8{x, x, x, x, x, x, x, x}; }
+
+inline vi8 splat_i(int32_t x) { return vi8{x, x, x, x, x, x, x, x}; }
+
+inline vf8 vmax(vf8 a, vf8 b) { return a > b ? a : b; }
+
+// exp(x) lane-wise (Cephes expf polynomial, ~2 ulp). Lanes below -87.3 (including -inf)
+// give exactly 0, so masked scores never leak into sums.
+inline vf8 vexp(vf8 x) {
+  const vf8 lo = splat(-87.3365447f), hi = splat(88.3762626f);
+  const vf8 xc = x < lo ? lo : (x > hi ? hi : x);
+  const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to the nearest integer
+  const vf8 t = xc * splat(1.44269504088896341f) + splat(magic);
+  const vf8 n = t - splat(magic);
+  vi8 ni;
+  std::memcpy(&ni, &t, sizeof(ni));
+  ni -= splat_i(0x4B400000);  // bit pattern of `magic`
+  vf8 r = xc - n * splat(0.693359375f);
+  r = r - n * splat(-2.12194440e-4f);
+  vf8 p = splat(1.9875691500e-4f);
+  p = p * r + splat(1.3981999507e-3f);
+  p = p * r + splat(8.3334519073e-3f);
+  p = p * r + splat(4.1665795894e-2f);
+  p = p * r + splat(1.6666665459e-1f);
+  p = p * r + splat(5.0000001201e-1f);
+  p = p * r * r + r + splat(1.0f);
+  const vi8 bits = (ni + splat_i(127)) << 23;
+  vf8 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  const vf8 result = p * scale;
+  return x < lo ? splat(0.0f) : result;
+}
+
+// ---- conversion of n contiguous elements to float32 ---------------------------------------
+inline void to_float(const float* src, float* dst, int64_t n) {
+  std::memcpy(dst, src, n * sizeof(float));
+}
+
+inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    vu16x8 h;
+    std::memcpy(&h, s + i, sizeof(h));
+    const vu32x8 w = __builtin_convertvector(h, vu32x8) << 16;
+    std::memcpy(dst + i, &w, sizeof(w));
+  }
+  for (; i < n; ++i) {
+    const uint32_t w = static_cast<uint32_t>(s[i]) << 16;
+    std::memcpy(dst + i, &w, sizeof(w));
+  }
+}
+
+inline void to_float(const c10::Half* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + kLanes <= n; i += kLanes) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(h));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// ---- online softmax over lanes (one query row per lane) -----------------------------------
+// State of 8 query rows: running max m, running sum l (of exp(score - m)).
+struct SoftmaxState {
+  vf8 m = splat(kNegInf);
+  vf8 l = splat(0.0f);
+};
+
+// Folds a tile of n score vectors (scores[j], one lane per row; -inf = masked) into `state`.
+// Overwrites scores[j] with the probabilities exp(score - m_new) and returns the factor
+// exp(m_old - m_new) by which each row's accumulator must be rescaled.
+inline vf8 softmax_tile(SoftmaxState& state, vf8* scores, int n) {
+  vf8 tile_max = splat(kNegInf);
+  for (int j = 0; j < n; ++j) tile_max = vmax(tile_max, scores[j]);
+  const vf8 m_new = vmax(state.m, tile_max);
+  // Rows with nothing visible yet keep m = -inf; use 0 as the reference to avoid -inf - -inf.
+  const vf8 ref = m_new == splat(kNegInf) ? splat(0.0f) : m_new;
+  const vf8 alpha = vexp(state.m - ref);
+  vf8 sum = splat(0.0f);
+  for (int j = 0; j < n; ++j) {
+    scores[j] = vexp(scores[j] - ref);
+    sum += scores[j];
+  }
+  state.l = state.l * alpha + sum;
+  state.m = m_new;
+  return alpha;
+}
+
+// out = acc / l and lse = m + log(l) for one row; a row without visible keys gives 0 / -inf.
+inline void finalize_row(const float* acc, float m, float l, int64_t dim, float* out,
+                         float* lse) {
+  if (l > 0.0f) {
+    const float inv = 1.0f / l;
+    for (int64_t d = 0; d < dim; ++d) out[d] = acc[d] * inv;
+    *lse = m + std::log(l);
+  } else {
+    std::memset(out, 0, dim * sizeof(float));
+    *lse = kNegInf;
+  }
+}
+
+}  // namespace cp_attention

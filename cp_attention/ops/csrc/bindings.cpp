@@ -1,0 +1,22 @@
+// The one Python module of the CPU attention kernels (built by cp_attention/ops/cpu_build.py).
+#include <torch/extension.h>
+
+#include "paged_attention.h"
+#if __has_include("varlen_attention.h")
+#include "varlen_attention.h"
+#define CP_ATTENTION_HAS_VARLEN 1
+#endif
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "cp_attention CPU attention kernels";
+  m.def("paged_attention", &paged_attention_cpu,
+        "paged attention (q, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, "
+        "scale, kv_start, kv_end) -> (out fp32, lse fp32)");
+  m.def("reshape_and_cache", &reshape_and_cache_cpu,
+        "store key/value rows at slot_mapping (-1 skipped) of strided caches");
+#ifdef CP_ATTENTION_HAS_VARLEN
+  m.def("varlen_attention", &varlen_attention_cpu,
+        "varlen attention (q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, window<=0: none) "
+        "-> (out fp32, lse fp32)");
+#endif
+}

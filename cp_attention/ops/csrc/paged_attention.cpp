@@ -1,0 +1,597 @@
+// Attention of packed queries over a paged KV cache, read in place (flash-decoding on CPU).
+//
+// Work item = (request, KV head, chunk of query tokens, range of keys). An item holds all
+// query rows of its chunk that share the KV head (GQA group x tokens, one row per vector lane,
+// 8 rows per lane group) and streams the keys of its range tile by tile straight from the
+// cache blocks: each K/V row is read once per item, in the cache's dtype, converted to float32
+// in a small L1 buffer (bf16/fp16) or used in place (fp32). Scores and probabilities are
+// lane-parallel over the rows, the online softmax rescales the float32 accumulators, and long
+// contexts are cut into several key ranges when threads would otherwise idle; those partials
+// are merged by their LSE at the end. Items are handed out dynamically to
+// at::get_num_threads() workers.
+#include "paged_attention.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <atomic>
+#include <memory>
+#include <type_traits>
+#include <vector>
+
+#include "attention_common.h"
+
+namespace cp_attention {
+namespace {
+
+constexpr int kTileKeys = 32;          // keys per tile (never crosses a cache block)
+constexpr int64_t kRowsPerItem = 64;   // query rows (tokens x group heads) per work item
+constexpr int64_t kMinSplitKeys = 512;  // shortest key range worth its own work item
+
+// Reads entries of an int32 or int64 2-D index tensor without converting it.
+struct IndexTable {
+  const void* data;
+  bool is_int32;
+  int64_t stride0, stride1;
+
+  explicit IndexTable(const at::Tensor& t)
+      : data(t.data_ptr()), is_int32(t.scalar_type() == at::kInt),
+        stride0(t.stride(0)), stride1(t.stride(1)) {}
+
+  int64_t at(int64_t i, int64_t j) const {
+    const int64_t k = i * stride0 + j * stride1;
+    return is_int32 ? static_cast<const int32_t*>(data)[k] : static_cast<const int64_t*>(data)[k];
+  }
+};
+
+struct PagedProblem {
+  const float* q;  // [T, Hq, D] float32 contiguous
+  const char* k_base;
+  const char* v_base;
+  int64_t elem_size;
+  int64_t k_stride[3], v_stride[3];  // element strides of the block, slot and head dims
+  IndexTable table;
+  int64_t block_size, num_blocks;
+  const int64_t* row_lo;  // [T] first visible key of each token (clipped)
+  const int64_t* row_hi;  // [T] end of its visible keys
+  int64_t num_q_heads, group, dim;
+  float scale;
+};
+
+struct WorkItem {
+  int64_t req, head, t0, t1, k0, k1;
+  int64_t part_row;  // first row in the partial buffers, or -1: write the output directly
+};
+
+struct MergeUnit {
+  int64_t head, t0, t1, part_row, num_splits;
+};
+
+// Per-thread buffers, sized for the largest item.
+struct Scratch {
+  std::vector<float> q_t;   // [groups][D][8] queries, transposed, pre-scaled
+  std::vector<float> acc;   // [groups * 8][D]
+  std::vector<float> k_buf, v_buf;  // [kTileKeys][D] converted K/V rows
+  std::vector<vi8> lo, hi;  // [groups] visible key range of each lane
+  std::vector<SoftmaxState> state;
+  vf8 scores[kTileKeys];
+
+  Scratch(int64_t max_rows, int64_t dim) {
+    const int64_t groups = (max_rows + kLanes - 1) / kLanes;
+    q_t.resize(groups * dim * kLanes);
+    acc.resize(groups * kLanes * dim);
+    k_buf.resize(kTileKeys * dim);
+    v_buf.resize(kTileKeys * dim);
+    lo.resize(groups);
+    hi.resize(groups);
+    state.resize(groups);
+  }
+};
+
+// scores[j] (lane i) = sum_d q_t[d][i] * K_j[d] for the n keys K_j = keys + j * key_stride.
+inline void qk_tile(const float* q_t, const float* keys, int64_t key_stride, int n,
+                    int64_t dim, vf8* scores) {
+  int j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const float* k = keys + j * key_stride;
+    vf8 a0 = splat(0.f), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (int64_t d = 0; d < dim; ++d) {
+      const vf8 qv = load8(q_t + d * kLanes);
+      a0 += qv * splat(k[d]);
+      a1 += qv * splat(k[key_stride + d]);
+      a2 += qv * splat(k[2 * key_stride + d]);
+      a3 += qv * splat(k[3 * key_stride + d]);
+      a4 += qv * splat(k[4 * key_stride + d]);
+      a5 += qv * splat(k[5 * key_stride + d]);
+      a6 += qv * splat(k[6 * key_stride + d]);
+      a7 += qv * splat(k[7 * key_stride + d]);
+    }
+    scores[j] = a0, scores[j + 1] = a1, scores[j + 2] = a2, scores[j + 3] = a3;
+    scores[j + 4] = a4, scores[j + 5] = a5, scores[j + 6] = a6, scores[j + 7] = a7;
+  }
+  for (; j + 2 <= n; j += 2) {
+    const float* k = keys + j * key_stride;
+    vf8 a0 = splat(0.f), a1 = a0, b0 = a0, b1 = a0;
+    int64_t d = 0;
+    for (; d + 2 <= dim; d += 2) {
+      const vf8 q0 = load8(q_t + d * kLanes), q1 = load8(q_t + (d + 1) * kLanes);
+      a0 += q0 * splat(k[d]);
+      b0 += q1 * splat(k[d + 1]);
+      a1 += q0 * splat(k[key_stride + d]);
+      b1 += q1 * splat(k[key_stride + d + 1]);
+    }
+    for (; d < dim; ++d) {
+      const vf8 qv = load8(q_t + d * kLanes);
+      a0 += qv * splat(k[d]);
+      a1 += qv * splat(k[key_stride + d]);
+    }
+    scores[j] = a0 + b0, scores[j + 1] = a1 + b1;
+  }
+  for (; j < n; ++j) {
+    const float* k = keys + j * key_stride;
+    vf8 a0 = splat(0.f), a1 = a0;
+    int64_t d = 0;
+    for (; d + 2 <= dim; d += 2) {
+      a0 += load8(q_t + d * kLanes) * splat(k[d]);
+      a1 += load8(q_t + (d + 1) * kLanes) * splat(k[d + 1]);
+    }
+    for (; d < dim; ++d) a0 += load8(q_t + d * kLanes) * splat(k[d]);
+    scores[j] = a0 + a1;
+  }
+}
+
+// acc rows r0, r0+1 (columns [c0, c0 + 8 C)) += sum_j p[j][lane] * V_j.
+template <int C>
+inline void pv_two_rows(float* acc0, float* acc1, int lane0, const vf8* probs,
+                        const float* values, int64_t value_stride, int n, int64_t c0) {
+  vf8 a[C], b[C];
+  for (int c = 0; c < C; ++c) {
+    a[c] = load8(acc0 + c0 + c * kLanes);
+    b[c] = load8(acc1 + c0 + c * kLanes);
+  }
+  for (int j = 0; j < n; ++j) {
+    const float* v = values + j * value_stride + c0;
+    const vf8 p0 = splat(probs[j][lane0]), p1 = splat(probs[j][lane0 + 1]);
+    for (int c = 0; c < C; ++c) {
+      const vf8 vv = load8(v + c * kLanes);
+      a[c] += p0 * vv;
+      b[c] += p1 * vv;
+    }
+  }
+  for (int c = 0; c < C; ++c) {
+    store8(acc0 + c0 + c * kLanes, a[c]);
+    store8(acc1 + c0 + c * kLanes, b[c]);
+  }
+}
+
+template <int C>
+inline void pv_one_row(float* acc0, int lane0, const vf8* probs, const float* values,
+                       int64_t value_stride, int n, int64_t c0) {
+  vf8 a[C];
+  for (int c = 0; c < C; ++c) a[c] = load8(acc0 + c0 + c * kLanes);
+  for (int j = 0; j < n; ++j) {
+    const float* v = values + j * value_stride + c0;
+    const vf8 p0 = splat(probs[j][lane0]);
+    for (int c = 0; c < C; ++c) a[c] += p0 * load8(v + c * kLanes);
+  }
+  for (int c = 0; c < C; ++c) store8(acc0 + c0 + c * kLanes, a[c]);
+}
+
+// acc rows of one lane group (rows lanes [0, rows)) += P^T V over the tile.
+inline void pv_tile(float* acc, int rows, const vf8* probs, const float* values,
+                    int64_t value_stride, int n, int64_t dim) {
+  const int64_t vec_end = dim - dim % kLanes;
+  int lane = 0;
+  for (; lane + 2 <= rows; lane += 2) {
+    float* a0 = acc + lane * dim;
+    float* a1 = a0 + dim;
+    int64_t c = 0;
+    for (; c + 4 * kLanes <= vec_end; c += 4 * kLanes)
+      pv_two_rows<4>(a0, a1, lane, probs, values, value_stride, n, c);
+    for (; c + 2 * kLanes <= vec_end; c += 2 * kLanes)
+      pv_two_rows<2>(a0, a1, lane, probs, values, value_stride, n, c);
+    for (; c < vec_end; c += kLanes)
+      pv_two_rows<1>(a0, a1, lane, probs, values, value_stride, n, c);
+  }
+  for (; lane < rows; ++lane) {
+    float* a0 = acc + lane * dim;
+    int64_t c = 0;
+    for (; c + 4 * kLanes <= vec_end; c += 4 * kLanes)
+      pv_one_row<4>(a0, lane, probs, values, value_stride, n, c);
+    for (; c < vec_end; c += kLanes)
+      pv_one_row<1>(a0, lane, probs, values, value_stride, n, c);
+  }
+  if (vec_end < dim) {  // head sizes that are not a multiple of 8
+    for (int r = 0; r < rows; ++r)
+      for (int j = 0; j < n; ++j) {
+        const float p = probs[j][r];
+        const float* v = values + j * value_stride;
+        for (int64_t d = vec_end; d < dim; ++d) acc[r * dim + d] += p * v[d];
+      }
+  }
+}
+
+template <typename scalar_t>
+void run_item(const PagedProblem& pb, const WorkItem& item, Scratch& s, float* out, float* lse,
+              float* part_out, float* part_lse, std::atomic<bool>& bad_block) {
+  const int64_t dim = pb.dim, group = pb.group;
+  const int64_t tokens = item.t1 - item.t0;
+  const int64_t rows = tokens * group;
+  const int64_t groups = (rows + kLanes - 1) / kLanes;
+
+  // Stage queries (transposed per lane group, pre-scaled) and each row's key range.
+  std::fill(s.q_t.begin(), s.q_t.begin() + groups * dim * kLanes, 0.f);
+  std::fill(s.acc.begin(), s.acc.begin() + groups * kLanes * dim, 0.f);
+  std::vector<int64_t> grp_lo(groups), grp_hi(groups), grp_all_lo(groups), grp_all_hi(groups);
+  for (int64_t g = 0; g < groups; ++g) {
+    int32_t lo[kLanes], hi[kLanes];
+    int64_t min_lo = item.k1, max_hi = item.k0, max_lo = item.k0, min_hi = item.k1;
+    for (int lane = 0; lane < kLanes; ++lane) {
+      const int64_t r = g * kLanes + lane;
+      if (r >= rows) {
+        lo[lane] = hi[lane] = 0;  // padding lane: never visible, never written
+        continue;
+      }
+      const int64_t t = item.t0 + r / group;
+      const int64_t head = item.head * group + r % group;
+      const float* qrow = pb.q + (t * pb.num_q_heads + head) * dim;
+      float* qt = s.q_t.data() + g * dim * kLanes + lane;
+      for (int64_t d = 0; d < dim; ++d) qt[d * kLanes] = qrow[d] * pb.scale;
+      const int64_t a = std::max(pb.row_lo[t], item.k0), b = std::min(pb.row_hi[t], item.k1);
+      lo[lane] = static_cast<int32_t>(a);
+      hi[lane] = static_cast<int32_t>(b);
+      if (a < b) {
+        min_lo = std::min(min_lo, a);
+        max_hi = std::max(max_hi, b);
+      }
+      max_lo = std::max(max_lo, a);
+      min_hi = std::min(min_hi, b);
+    }
+    std::memcpy(&s.lo[g], lo, sizeof(lo));
+    std::memcpy(&s.hi[g], hi, sizeof(hi));
+    grp_lo[g] = min_lo, grp_hi[g] = max_hi;          // union of the lanes' ranges
+    grp_all_lo[g] = max_lo, grp_all_hi[g] = min_hi;  // keys every lane sees
+    s.state[g] = SoftmaxState();
+  }
+
+  int64_t k_begin = item.k1, k_end = item.k0;
+  for (int64_t g = 0; g < groups; ++g) {
+    k_begin = std::min(k_begin, grp_lo[g]);
+    k_end = std::max(k_end, grp_hi[g]);
+  }
+
+  const int64_t bs = pb.block_size;
+  for (int64_t t = k_begin; t < k_end;) {
+    const int64_t offset = t % bs;
+    const int n = static_cast<int>(std::min<int64_t>({kTileKeys, bs - offset, k_end - t}));
+    const int64_t block = pb.table.at(item.req, t / bs);
+    if (block < 0 || block >= pb.num_blocks) {
+      bad_block.store(true);
+      return;
+    }
+    const scalar_t* k_src = reinterpret_cast<const scalar_t*>(pb.k_base) +
+        block * pb.k_stride[0] + offset * pb.k_stride[1] + item.head * pb.k_stride[2];
+    const scalar_t* v_src = reinterpret_cast<const scalar_t*>(pb.v_base) +
+        block * pb.v_stride[0] + offset * pb.v_stride[1] + item.head * pb.v_stride[2];
+    const float* keys;
+    const float* values;
+    int64_t k_row_stride, v_row_stride;
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      keys = k_src, values = v_src;
+      k_row_stride = pb.k_stride[1], v_row_stride = pb.v_stride[1];
+    } else {
+      for (int j = 0; j < n; ++j) {
+        to_float(k_src + j * pb.k_stride[1], s.k_buf.data() + j * dim, dim);
+        to_float(v_src + j * pb.v_stride[1], s.v_buf.data() + j * dim, dim);
+      }
+      keys = s.k_buf.data(), values = s.v_buf.data();
+      k_row_stride = v_row_stride = dim;
+    }
+
+    for (int64_t g = 0; g < groups; ++g) {
+      if (grp_lo[g] >= t + n || grp_hi[g] <= t) continue;  // no lane sees this tile
+      qk_tile(s.q_t.data() + g * dim * kLanes, keys, k_row_stride, n, dim, s.scores);
+      if (!(grp_all_lo[g] <= t && grp_all_hi[g] >= t + n)) {  // some lane sees part of it
+        for (int j = 0; j < n; ++j) {
+          const vi8 pos = splat_i(static_cast<int32_t>(t + j));
+          s.scores[j] = (pos >= s.lo[g]) & (pos < s.hi[g]) ? s.scores[j] : splat(kNegInf);
+        }
+      }
+      const vf8 alpha = softmax_tile(s.state[g], s.scores, n);
+      const int lanes = static_cast<int>(std::min<int64_t>(kLanes, rows - g * kLanes));
+      float* acc = s.acc.data() + g * kLanes * dim;
+      for (int lane = 0; lane < lanes; ++lane) {
+        const float f = alpha[lane];
+        if (f != 1.0f) {
+          float* a = acc + lane * dim;
+          for (int64_t d = 0; d < dim; ++d) a[d] *= f;
+        }
+      }
+      pv_tile(acc, lanes, s.scores, values, v_row_stride, n, dim);
+    }
+    t += n;
+  }
+
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t g = r / kLanes, lane = r % kLanes;
+    const float m = s.state[g].m[lane], l = s.state[g].l[lane];
+    const float* acc = s.acc.data() + r * dim;
+    if (item.part_row < 0) {
+      const int64_t t = item.t0 + r / group;
+      const int64_t head = item.head * group + r % group;
+      const int64_t o = t * pb.num_q_heads + head;
+      finalize_row(acc, m, l, dim, out + o * dim, lse + o);
+    } else {
+      const int64_t o = item.part_row + r;
+      finalize_row(acc, m, l, dim, part_out + o * dim, part_lse + o);
+    }
+  }
+}
+
+// Merges the key-range partials of one (tokens, KV head) unit into the output rows.
+void merge_unit(const MergeUnit& u, int64_t group, int64_t num_q_heads, int64_t dim,
+                const float* part_out, const float* part_lse, float* out, float* lse) {
+  const int64_t rows = (u.t1 - u.t0) * group;
+  std::vector<float> weights(u.num_splits);
+  for (int64_t r = 0; r < rows; ++r) {
+    float m = kNegInf;
+    for (int64_t sp = 0; sp < u.num_splits; ++sp)
+      m = std::max(m, part_lse[u.part_row + sp * rows + r]);
+    const int64_t o = (u.t0 + r / group) * num_q_heads + u.head * group + r % group;
+    float* dst = out + o * dim;
+    if (m == kNegInf) {
+      std::memset(dst, 0, dim * sizeof(float));
+      lse[o] = kNegInf;
+      continue;
+    }
+    float total = 0.f;
+    for (int64_t sp = 0; sp < u.num_splits; ++sp) {
+      weights[sp] = std::exp(part_lse[u.part_row + sp * rows + r] - m);
+      total += weights[sp];
+    }
+    std::memset(dst, 0, dim * sizeof(float));
+    for (int64_t sp = 0; sp < u.num_splits; ++sp) {
+      const float w = weights[sp] / total;
+      if (w == 0.f) continue;
+      const float* src = part_out + (u.part_row + sp * rows + r) * dim;
+      for (int64_t d = 0; d < dim; ++d) dst[d] += w * src[d];
+    }
+    lse[o] = m + std::log(total);
+  }
+}
+
+// Runs `work(i)` for i in [0, n) on at::get_num_threads() workers, handing items out in order.
+template <typename F>
+void run_dynamic(int64_t n, const F& work) {
+  if (n == 0) return;
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), n);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) work(i);
+  });
+}
+
+}  // namespace
+}  // namespace cp_attention
+
+using namespace cp_attention;
+
+std::tuple<at::Tensor, at::Tensor> paged_attention_cpu(
+    const at::Tensor& q_in, const at::Tensor& key_cache, const at::Tensor& value_cache,
+    const at::Tensor& block_table, const at::Tensor& cu_seqlens_q_in,
+    const at::Tensor& seq_lens_in, double scale, const std::optional<at::Tensor>& kv_start,
+    const std::optional<at::Tensor>& kv_end) {
+  TORCH_CHECK_VALUE(q_in.dim() == 3, "q must be [T, Hq, D], got ", q_in.sizes());
+  TORCH_CHECK_VALUE(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
+                    "key_cache/value_cache must be [num_blocks, block_size, Hkv, D] of one "
+                    "shape, got ", key_cache.sizes(), " and ", value_cache.sizes());
+  TORCH_CHECK_VALUE(key_cache.scalar_type() == value_cache.scalar_type(),
+                    "key_cache and value_cache dtypes differ");
+  TORCH_CHECK_VALUE(key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
+                    "the caches' head_size dimension must be contiguous");
+  TORCH_CHECK_VALUE(q_in.device().is_cpu() && key_cache.device().is_cpu() &&
+                    value_cache.device().is_cpu(), "paged_attention_cpu takes CPU tensors");
+  const int64_t num_tokens = q_in.size(0), num_q_heads = q_in.size(1), dim = q_in.size(2);
+  const int64_t num_blocks = key_cache.size(0), block_size = key_cache.size(1);
+  const int64_t num_kv_heads = key_cache.size(2);
+  TORCH_CHECK_VALUE(key_cache.size(3) == dim, "head_size of q (", dim, ") != head_size of "
+                    "key_cache (", key_cache.size(3), ")");
+  TORCH_CHECK_VALUE(num_kv_heads >= 1 && num_q_heads % num_kv_heads == 0, "q heads (",
+                    num_q_heads, ") must be a multiple of key_cache heads (", num_kv_heads, ")");
+  TORCH_CHECK_VALUE(block_table.dim() == 2 && (block_table.scalar_type() == at::kInt ||
+                    block_table.scalar_type() == at::kLong),
+                    "block_table must be a 2-D int32/int64 tensor");
+  const int64_t num_reqs = block_table.size(0);
+  TORCH_CHECK_VALUE(cu_seqlens_q_in.numel() == num_reqs + 1 && seq_lens_in.numel() == num_reqs,
+                    "block_table has ", num_reqs, " rows, cu_seqlens_q ",
+                    cu_seqlens_q_in.numel() - 1, " requests, seq_lens ", seq_lens_in.numel());
+  const auto kv_dtype = key_cache.scalar_type();
+  TORCH_CHECK_VALUE(kv_dtype == at::kFloat || kv_dtype == at::kBFloat16 || kv_dtype == at::kHalf,
+                    "paged_attention_cpu takes float32/bfloat16/float16 caches, got ", kv_dtype);
+
+  const at::Tensor q = q_in.to(at::kFloat).contiguous();
+  const at::Tensor cu_q = cu_seqlens_q_in.to(at::kLong).contiguous();
+  const at::Tensor lens = seq_lens_in.to(at::kLong).contiguous();
+  at::Tensor out = at::zeros({num_tokens, num_q_heads, dim}, q.options());
+  at::Tensor lse = at::full({num_tokens, num_q_heads}, kNegInf, q.options());
+  if (num_tokens == 0 || num_reqs == 0) return {out, lse};
+
+  const int64_t* cu = cu_q.data_ptr<int64_t>();
+  const int64_t* len = lens.data_ptr<int64_t>();
+  std::optional<at::Tensor> start, end;
+  for (const auto* range : {&kv_start, &kv_end}) {
+    if (range->has_value()) {
+      TORCH_CHECK_VALUE((*range)->numel() == num_tokens, "kv_start/kv_end need one entry per "
+                        "query token (", num_tokens, "), got ", (*range)->numel());
+    }
+  }
+  if (kv_start.has_value()) start = kv_start->to(at::kLong).contiguous();
+  if (kv_end.has_value()) end = kv_end->to(at::kLong).contiguous();
+
+  // Per-token visible range, clipped to [0, seq_len), and the work plan.
+  std::vector<int64_t> row_lo(num_tokens, 0), row_hi(num_tokens, 0);
+  const int64_t group = num_q_heads / num_kv_heads;
+  const int64_t tokens_per_item = std::max<int64_t>(1, kRowsPerItem / group);
+  struct Unit { int64_t req, t0, t1, k0, k1; };
+  std::vector<Unit> units;
+  int64_t total_keys = 0;
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    const int64_t qs = cu[r], qe = cu[r + 1], seq_len = len[r];
+    TORCH_CHECK_VALUE(0 <= qs && qs <= qe && qe <= num_tokens, "cu_seqlens_q[", r, ":", r + 2,
+                      "] = [", qs, ", ", qe, "] is not a range of the ", num_tokens, " query rows");
+    TORCH_CHECK_VALUE(0 <= seq_len && seq_len <= block_table.size(1) * block_size,
+                      "seq_lens[", r, "] = ", seq_len, " does not fit ", block_table.size(1),
+                      " blocks of ", block_size);
+    for (int64_t t = qs; t < qe; ++t) {
+      row_lo[t] = start ? std::clamp<int64_t>(start->data_ptr<int64_t>()[t], 0, seq_len) : 0;
+      row_hi[t] = end ? std::clamp<int64_t>(end->data_ptr<int64_t>()[t], 0, seq_len) : seq_len;
+    }
+    for (int64_t t0 = qs; t0 < qe; t0 += tokens_per_item) {
+      const int64_t t1 = std::min(qe, t0 + tokens_per_item);
+      int64_t k0 = seq_len, k1 = 0;
+      for (int64_t t = t0; t < t1; ++t) {
+        if (row_lo[t] < row_hi[t]) {
+          k0 = std::min(k0, row_lo[t]);
+          k1 = std::max(k1, row_hi[t]);
+        }
+      }
+      if (k0 >= k1) continue;  // rows stay 0 / -inf
+      units.push_back({r, t0, t1, k0, k1});
+      total_keys += (k1 - k0) * num_kv_heads;
+    }
+  }
+
+  const int64_t threads = at::get_num_threads();
+  const int64_t split_keys = threads > 1
+      ? std::max<int64_t>(kMinSplitKeys, (total_keys + 4 * threads - 1) / (4 * threads))
+      : std::numeric_limits<int64_t>::max();
+  std::vector<WorkItem> items;
+  std::vector<MergeUnit> merges;
+  int64_t part_rows = 0;
+  for (const Unit& u : units) {
+    const int64_t keys = u.k1 - u.k0;
+    const int64_t splits = std::max<int64_t>(1, (keys + split_keys - 1) / split_keys);
+    const int64_t chunk = (keys + splits - 1) / splits;
+    const int64_t rows = (u.t1 - u.t0) * group;
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      if (splits == 1) {
+        items.push_back({u.req, h, u.t0, u.t1, u.k0, u.k1, -1});
+        continue;
+      }
+      merges.push_back({h, u.t0, u.t1, part_rows, splits});
+      for (int64_t sp = 0; sp < splits; ++sp) {
+        items.push_back({u.req, h, u.t0, u.t1, u.k0 + sp * chunk,
+                         std::min(u.k1, u.k0 + (sp + 1) * chunk), part_rows});
+        part_rows += rows;
+      }
+    }
+  }
+
+  std::vector<float> part_out(part_rows * dim), part_lse(part_rows);
+  const PagedProblem pb{
+      q.data_ptr<float>(),
+      static_cast<const char*>(key_cache.data_ptr()),
+      static_cast<const char*>(value_cache.data_ptr()),
+      key_cache.element_size(),
+      {key_cache.stride(0), key_cache.stride(1), key_cache.stride(2)},
+      {value_cache.stride(0), value_cache.stride(1), value_cache.stride(2)},
+      IndexTable(block_table),
+      block_size,
+      num_blocks,
+      row_lo.data(),
+      row_hi.data(),
+      num_q_heads,
+      group,
+      dim,
+      static_cast<float>(scale)};
+  const int64_t max_rows = std::max<int64_t>(tokens_per_item * group, kLanes);
+  float* out_ptr = out.data_ptr<float>();
+  float* lse_ptr = lse.data_ptr<float>();
+  std::atomic<bool> bad_block{false};
+
+  const auto run_all = [&](auto type_tag) {
+    using scalar_t = decltype(type_tag);
+    const int64_t workers = std::min<int64_t>(threads, static_cast<int64_t>(items.size()));
+    std::vector<std::unique_ptr<Scratch>> scratch(std::max<int64_t>(workers, 1));
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, workers, 1, [&](int64_t w0, int64_t) {
+      auto& s = scratch[w0];
+      if (!s) s = std::make_unique<Scratch>(max_rows, dim);
+      for (int64_t i = next.fetch_add(1); i < static_cast<int64_t>(items.size());
+           i = next.fetch_add(1)) {
+        run_item<scalar_t>(pb, items[i], *s, out_ptr, lse_ptr, part_out.data(),
+                           part_lse.data(), bad_block);
+      }
+    });
+  };
+  if (kv_dtype == at::kFloat) {
+    run_all(float{});
+  } else if (kv_dtype == at::kBFloat16) {
+    run_all(c10::BFloat16{});
+  } else {
+    run_all(c10::Half{});
+  }
+  TORCH_CHECK_INDEX(!bad_block.load(), "block_table holds a block id outside [0, ", num_blocks,
+                    ")");
+  run_dynamic(static_cast<int64_t>(merges.size()), [&](int64_t i) {
+    merge_unit(merges[i], group, num_q_heads, dim, part_out.data(), part_lse.data(), out_ptr,
+               lse_ptr);
+  });
+  return {out, lse};
+}
+
+void reshape_and_cache_cpu(const at::Tensor& key_in, const at::Tensor& value_in,
+                           const at::Tensor& key_cache, const at::Tensor& value_cache,
+                           const at::Tensor& slot_mapping_in) {
+  TORCH_CHECK_VALUE(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
+                    "key_cache/value_cache must be [num_blocks, block_size, Hkv, D] of one "
+                    "shape, got ", key_cache.sizes(), " and ", value_cache.sizes());
+  TORCH_CHECK_VALUE(key_cache.scalar_type() == value_cache.scalar_type(),
+                    "key_cache and value_cache dtypes differ");
+  TORCH_CHECK_VALUE(key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
+                    "the caches' head_size dimension must be contiguous");
+  const int64_t num_tokens = key_in.size(0);
+  TORCH_CHECK_VALUE(key_in.dim() == 3 && value_in.sizes() == key_in.sizes() &&
+                    key_in.size(1) == key_cache.size(2) && key_in.size(2) == key_cache.size(3),
+                    "key/value must be [T, Hkv, D] matching the cache, got ", key_in.sizes(),
+                    ", ", value_in.sizes(), " for a cache ", key_cache.sizes());
+  TORCH_CHECK_VALUE(slot_mapping_in.dim() == 1 && slot_mapping_in.numel() == num_tokens &&
+                    !at::isFloatingType(slot_mapping_in.scalar_type()),
+                    "slot_mapping must be [T] integers, got ", slot_mapping_in.sizes());
+  const at::Tensor key = key_in.to(key_cache.scalar_type()).contiguous();
+  const at::Tensor value = value_in.to(value_cache.scalar_type()).contiguous();
+  const at::Tensor slots = slot_mapping_in.to(at::kLong).contiguous();
+  const int64_t heads = key_cache.size(2), dim = key_cache.size(3);
+  const int64_t block_size = key_cache.size(1);
+  const int64_t num_slots = key_cache.size(0) * block_size;
+  const int64_t elem = key_cache.element_size();
+  const int64_t row_bytes = dim * elem;
+  const char* k_src = static_cast<const char*>(key.data_ptr());
+  const char* v_src = static_cast<const char*>(value.data_ptr());
+  char* k_dst = static_cast<char*>(key_cache.data_ptr());
+  char* v_dst = static_cast<char*>(value_cache.data_ptr());
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  std::atomic<bool> bad_slot{false};
+  at::parallel_for(0, num_tokens, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t s = slot[t];
+      if (s < 0) continue;
+      if (s >= num_slots) {
+        bad_slot.store(true);
+        continue;
+      }
+      const int64_t block = s / block_size, offset = s % block_size;
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t src = (t * heads + h) * row_bytes;
+        std::memcpy(k_dst + (block * key_cache.stride(0) + offset * key_cache.stride(1) +
+                             h * key_cache.stride(2)) * elem, k_src + src, row_bytes);
+        std::memcpy(v_dst + (block * value_cache.stride(0) + offset * value_cache.stride(1) +
+                             h * value_cache.stride(2)) * elem, v_src + src, row_bytes);
+      }
+    }
+  });
+  TORCH_CHECK_INDEX(!bad_slot.load(), "slot_mapping holds a slot outside [-1, ", num_slots, ")");
+}

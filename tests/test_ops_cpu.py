@@ -1,0 +1,251 @@
+"""The C++ CPU ops (CpuOps) against the float64 oracle and ReferenceOps.
+
+K/V/q are drawn in the tested dtype and the oracle reads the same (exactly representable)
+values in float64, so every dtype is held to float32 rounding error: the kernels accumulate
+in float32 and never round the cache.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from cp_attention.ops import CpuOps, ReferenceOps, get_ops
+from cp_attention.ops.cpu_build import forced_reference, load_cpu_extension
+from cp_attention.testing.dense import dense_attention
+
+OUT_TOL = 3e-5
+LSE_TOL = 3e-5
+
+
+@pytest.fixture(scope="module")
+def ops() -> CpuOps:
+    if forced_reference():
+        pytest.skip("CP_ATTENTION_OPS=reference: the C++ kernels are switched off")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a failed build is a failure here, not a fallback
+        assert load_cpu_extension() is not None
+    result = get_ops("cpu")
+    assert isinstance(result, CpuOps)
+    return result
+
+
+class Threads:
+    """Context manager: torch.set_num_threads(n), restored on exit."""
+
+    def __init__(self, n: int):
+        self.n, self.saved = n, torch.get_num_threads()
+
+    def __enter__(self):
+        torch.set_num_threads(self.n)
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.saved)
+
+
+def make_cache(num_blocks, block_size, hkv, d, dtype, strided, gen):
+    """K/V caches [num_blocks, block_size, hkv, d]; strided: views of vLLM's CPU layout."""
+    if strided:  # [blocks, heads, slots, 2 * D] viewed the way the vLLM plugin does
+        packed = torch.randn(num_blocks, hkv, block_size, 2 * d, generator=gen).to(dtype)
+        kv = packed.unflatten(-1, (2, d)).permute(3, 0, 2, 1, 4)
+        assert not kv[0].is_contiguous()
+        return kv[0], kv[1]
+    return (torch.randn(num_blocks, block_size, hkv, d, generator=gen).to(dtype),
+            torch.randn(num_blocks, block_size, hkv, d, generator=gen).to(dtype))
+
+
+def paged_case(seq_lens, q_lens, block_size, hkv, group, d, dtype, strided, table_dtype, gen):
+    """Random paged problem; returns (args, per-request contiguous K/V)."""
+    blocks_per_req = [max(1, math.ceil(n / block_size)) for n in seq_lens]
+    num_blocks = sum(blocks_per_req) + 2
+    perm = torch.randperm(num_blocks, generator=gen)
+    table = torch.zeros(len(seq_lens), max(blocks_per_req) + 1, dtype=table_dtype)
+    kc, vc = make_cache(num_blocks, block_size, hkv, d, dtype, strided, gen)
+    q = torch.randn(sum(q_lens), hkv * group, d, generator=gen).to(dtype)
+    keys, values, start = [], [], 0
+    for r, nb in enumerate(blocks_per_req):
+        table[r, :nb] = perm[start:start + nb].to(table_dtype)
+        start += nb
+        ids = table[r, :nb].long()
+        keys.append(kc[ids].flatten(0, 1)[:seq_lens[r]])
+        values.append(vc[ids].flatten(0, 1)[:seq_lens[r]])
+    cu_q = torch.tensor([0] + list(q_lens)).cumsum(0).to(table_dtype)
+    return (q, kc, vc, table, cu_q, torch.tensor(seq_lens, dtype=table_dtype)), keys, values
+
+
+def check_against_oracle(out, lse, q, keys, values, q_lens, seq_lens, scale, kv_start, kv_end):
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
+    assert out.shape == q.shape and lse.shape == q.shape[:2]
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    qs = 0
+    for r, nq in enumerate(q_lens):
+        for i in range(qs, qs + nq):
+            lo, hi = 0, seq_lens[r]
+            if kv_start is not None:
+                lo = min(max(int(kv_start[i]), 0), hi)
+            if kv_end is not None:
+                hi = min(max(int(kv_end[i]), 0), hi)
+            if hi <= lo:
+                assert (out[i] == 0).all() and torch.isneginf(lse[i]).all(), f"row {i} not empty"
+                continue
+            ref, ref_lse = dense_attention(q[i:i + 1], keys[r][lo:hi], values[r][lo:hi],
+                                           torch.tensor([hi - lo]), scale, causal=False)
+            assert (out[i:i + 1].double() - ref).abs().max().item() <= OUT_TOL, f"row {i}"
+            assert (lse[i:i + 1].double() - ref_lse).abs().max().item() <= LSE_TOL, f"row {i}"
+        qs += nq
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(seq_lens=st.lists(st.sampled_from([0, 1, 15, 16, 17, 127, 128, 129, 300]) |
+                         st.integers(0, 400), min_size=1, max_size=4),
+       q_lens=st.lists(st.integers(0, 4), min_size=4, max_size=4),
+       block_size=st.sampled_from([16, 128]), group=st.sampled_from([1, 4, 8]),
+       hkv=st.sampled_from([1, 2]), d=st.sampled_from([64, 80, 128, 256]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       ranged=st.sampled_from([None, "start", "end", "both"]), strided=st.booleans(),
+       table_dtype=st.sampled_from([torch.int32, torch.int64]), threads=st.sampled_from([1, 2]))
+def test_paged_attention_matches_oracle(ops, seq_lens, q_lens, block_size, group, hkv, d, dtype,
+                                        ranged, strided, table_dtype, threads):
+    q_lens = q_lens[:len(seq_lens)]
+    gen = torch.Generator().manual_seed(sum(seq_lens) + 31 * sum(q_lens) + d + group)
+    args, keys, values = paged_case(seq_lens, q_lens, block_size, hkv, group, d, dtype, strided,
+                                    table_dtype, gen)
+    num_q = sum(q_lens)
+    kv_start = kv_end = None
+    if ranged in ("start", "both"):  # beyond seq_len and negative values are clipped
+        kv_start = torch.randint(-5, 300, (num_q,), generator=gen).to(table_dtype)
+    if ranged in ("end", "both"):
+        kv_end = torch.randint(-5, 450, (num_q,), generator=gen).to(table_dtype)
+    scale = 1 / math.sqrt(d)
+    with Threads(threads):
+        out, lse = ops.paged_attention(*args, scale=scale, kv_start=kv_start, kv_end=kv_end)
+    check_against_oracle(out, lse, args[0], keys, values, q_lens, seq_lens, scale, kv_start,
+                         kv_end)
+    ref_out, ref_lse = ReferenceOps().paged_attention(*args, scale=scale, kv_start=kv_start,
+                                                      kv_end=kv_end)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    assert (out - ref_out).abs().max().item() <= 2 * OUT_TOL if out.numel() else True
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_context_split_over_threads(ops, threads, dtype):
+    """Flash-decoding: long contexts are cut into key ranges merged by LSE; rows whose range
+    misses some of those pieces (or all) still come out exact."""
+    seq_lens, q_lens = [6000, 2500, 0, 40], [3, 1, 2, 2]
+    gen = torch.Generator().manual_seed(7)
+    args, keys, values = paged_case(seq_lens, q_lens, 128, 2, 4, 64, dtype, True, torch.int32,
+                                    gen)
+    kv_start = torch.tensor([0, 5000, 5990, 100, 0, 0, 39, 0])
+    kv_end = torch.tensor([6000, 5600, 9999, 2400, 5, 5, 40, 0])
+    with Threads(threads):
+        out, lse = ops.paged_attention(*args, scale=0.125, kv_start=kv_start, kv_end=kv_end)
+        full_out, full_lse = ops.paged_attention(*args, scale=0.125)
+    check_against_oracle(out, lse, args[0], keys, values, q_lens, seq_lens, 0.125, kv_start,
+                         kv_end)
+    check_against_oracle(full_out, full_lse, args[0], keys, values, q_lens, seq_lens, 0.125,
+                         None, None)
+
+
+def test_speculative_decode_rows_with_causal_offsets(ops):
+    """Several queries per request, each with its own end (spec decode / chunked context)."""
+    gen = torch.Generator().manual_seed(3)
+    seq_lens, q_lens = [37, 200], [4, 70]
+    args, keys, values = paged_case(seq_lens, q_lens, 16, 2, 8, 128, torch.bfloat16, False,
+                                    torch.int64, gen)
+    kv_end = torch.cat([torch.arange(34, 38), torch.arange(131, 201)])
+    out, lse = ops.paged_attention(*args, scale=0.1, kv_end=kv_end)
+    check_against_oracle(out, lse, args[0], keys, values, q_lens, seq_lens, 0.1, None, kv_end)
+
+
+def test_empty_inputs(ops):
+    gen = torch.Generator().manual_seed(1)
+    args, _, _ = paged_case([0, 0], [0, 0], 16, 1, 4, 64, torch.float32, False, torch.int32, gen)
+    out, lse = ops.paged_attention(*args, scale=1.0)
+    assert out.shape == (0, 4, 64) and lse.shape == (0, 4)
+    args, _, _ = paged_case([0, 5], [3, 0], 16, 1, 4, 64, torch.float32, False, torch.int32, gen)
+    out, lse = ops.paged_attention(*args, scale=1.0)
+    assert (out == 0).all() and torch.isneginf(lse).all()
+
+
+def test_paged_attention_rejects_bad_arguments(ops):
+    gen = torch.Generator().manual_seed(2)
+    (q, kc, vc, table, cu, lens), _, _ = paged_case([20], [1], 16, 2, 2, 64, torch.float32,
+                                                    False, torch.int32, gen)
+    with pytest.raises(ValueError, match="multiple of key_cache heads"):
+        ops.paged_attention(q[:, :3], kc, vc, table, cu, lens, scale=1.0)
+    with pytest.raises(ValueError, match="head_size of q"):
+        ops.paged_attention(q[..., :32], kc, vc, table, cu, lens, scale=1.0)
+    with pytest.raises(ValueError, match="does not fit"):
+        ops.paged_attention(q, kc, vc, table, cu, lens + 100, scale=1.0)
+    with pytest.raises(IndexError, match="block id outside"):
+        ops.paged_attention(q, kc, vc, table + 1000, cu, lens, scale=1.0)
+
+
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("src_dtype,cache_dtype", [(torch.float32, torch.float32),
+                                                   (torch.float32, torch.bfloat16),
+                                                   (torch.bfloat16, torch.bfloat16),
+                                                   (torch.float16, torch.float16),
+                                                   (torch.float64, torch.float64)])
+def test_reshape_and_cache_matches_reference(ops, strided, src_dtype, cache_dtype):
+    gen = torch.Generator().manual_seed(4)
+    hkv, d, block_size, num_blocks = 2, 80, 16, 5
+    key = torch.randn(30, hkv, d, generator=gen).to(src_dtype)
+    value = torch.randn(30, hkv, d, generator=gen).to(src_dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:30]
+    slots[::4] = -1
+    caches = [make_cache(num_blocks, block_size, hkv, d, cache_dtype, strided, gen)
+              for _ in range(2)]
+    ref_k, ref_v = caches[1][0].clone(), caches[1][1].clone()
+    before = caches[0][0].clone()
+    ops.reshape_and_cache(key, value, caches[0][0], caches[0][1], slots.int())
+    ReferenceOps().reshape_and_cache(key, value, ref_k, ref_v, slots)
+    written = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    written[slots[slots >= 0]] = True
+    flat = caches[0][0].reshape(-1, hkv, d)
+    assert torch.equal(flat[written], ref_k.reshape(-1, hkv, d)[written])
+    assert torch.equal(caches[0][1].reshape(-1, hkv, d)[written],
+                       ref_v.reshape(-1, hkv, d)[written])
+    assert torch.equal(flat[~written], before.reshape(-1, hkv, d)[~written])  # untouched
+    with pytest.raises(IndexError, match="slot_mapping holds a slot outside"):
+        ops.reshape_and_cache(key, value, caches[0][0], caches[0][1], slots + 1000)
+
+
+def test_float64_goes_to_the_reference(ops):
+    gen = torch.Generator().manual_seed(6)
+    args, keys, values = paged_case([50], [2], 16, 1, 4, 64, torch.float64, False, torch.int64,
+                                    gen)
+    out, lse = ops.paged_attention(*args, scale=0.2)
+    assert out.dtype == torch.float64
+    ref, ref_lse = dense_attention(args[0], keys[0], values[0], torch.full((2,), 49), 0.2,
+                                   causal=False)
+    assert (out - ref).abs().max() < 1e-12 and (lse - ref_lse).abs().max() < 1e-12
+
+
+def test_varlen_matches_reference(ops):
+    """Whichever route varlen takes (C++ kernel once merged, reference until then)."""
+    gen = torch.Generator().manual_seed(8)
+    q, k = torch.randn(12, 4, 64, generator=gen), torch.randn(20, 2, 64, generator=gen)
+    cu_q, cu_k = torch.tensor([0, 5, 5, 12]), torch.tensor([0, 9, 11, 20])
+    for causal, window in ((False, None), (True, None), (True, 3)):
+        out, lse = ops.varlen_attention(q, k, k, cu_q, cu_k, scale=0.2, causal=causal,
+                                        window=window)
+        ref, ref_lse = ReferenceOps().varlen_attention(q, k, k, cu_q, cu_k, scale=0.2,
+                                                       causal=causal, window=window)
+        assert (out - ref).abs().max() <= OUT_TOL
+        assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+
+
+def test_forced_reference_env(monkeypatch):
+    monkeypatch.setenv("CP_ATTENTION_OPS", "reference")
+    load_cpu_extension.cache_clear()
+    try:
+        assert isinstance(get_ops("cpu"), ReferenceOps)
+    finally:
+        monkeypatch.delenv("CP_ATTENTION_OPS")
+        load_cpu_extension.cache_clear()
+    assert get_ops("cpu", "reference").name == "reference"
