@@ -49,10 +49,11 @@ RUNS = {
     "cp_tp1_noreorder": ({**CP, **NO_REORDER}, []),
     "cp_tp2_dcp2": ({**CP, **TWO_RANKS}, DCP2),
     "cp_tp2_dcp2_il16_noreorder": ({**CP, **TWO_RANKS, **NO_REORDER}, DCP2 + ["--interleave", "16"]),
+    "cp_tp2_dcp2_a2a": ({**CP, **TWO_RANKS}, DCP2 + ["--dcp-comm-backend", "a2a"]),
     "cp_tp2_dcp2_fault": ({**CP, **TWO_RANKS, "CP_ATTENTION_VLLM_FAULT": "skip_dcp_combine"}, DCP2),
 }
 REFERENCE = "cpu_attn_tp1"
-OURS = ["cp_tp1", "cp_tp1_noreorder", "cp_tp2_dcp2", "cp_tp2_dcp2_il16_noreorder"]
+OURS = ["cp_tp1", "cp_tp1_noreorder", "cp_tp2_dcp2", "cp_tp2_dcp2_il16_noreorder", "cp_tp2_dcp2_a2a"]
 
 
 class Runs:
@@ -133,6 +134,8 @@ def test_our_backend_is_used(runs, name):
     assert f"cp_attention impl active: {impl}" in log
     if "dcp2" in name:
         assert "dcp rank 0/2" in log and "dcp rank 1/2" in log
+        backend = "a2a" if "a2a" in name else "ag_rs"  # vLLM's --dcp-comm-backend, honoured
+        assert f"dcp_comm_backend {backend}" in log
     # with vLLM's reorder the orders agree; without it the gather/scatter path must have run
     assert ("row order differs from vLLM's batch order" in log) == ("noreorder" in name)
 
