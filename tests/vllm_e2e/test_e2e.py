@@ -1,4 +1,5 @@
-"""End to end in a real vLLM (CPU): vLLM's CPU_ATTN vs cp_attention at tp=1 and tp=2 dcp=2.
+"""End to end in a real vLLM (CPU): vLLM's CPU_ATTN vs cp_attention at tp=1 and tp=2 dcp=2
+(combine `ag_rs` and `a2a`, vLLM's --dcp-comm-backend); PCP runs: test_e2e_pcp.py.
 
 Each configuration runs in a fresh subprocess (``run_llm.py``) on a tiny Llama with random
 weights (4 query heads, 1 KV head, head_dim 32), greedy fp32, block size 32, 4 prompts given
@@ -37,7 +38,7 @@ MAX_TOKENS = [1, 12, 12, 12]  # request 0 finishes at once, freeing batch slot 0
 LOGPROB_TOL = 1e-3  # |logprob(ours) - logprob(vLLM CPU_ATTN)| for the returned top-2 tokens
 MIN_MARGIN = 5e-3  # greedy top-1 minus top-2 logprob, every step of the reference run
 MARGIN_OVER_DIFF = 10.0  # margins must exceed the largest logprob difference by this factor
-RUN_TIMEOUT_S = 300
+RUN_TIMEOUT_S = 900  # a loaded 2-core box; quiet machine: < 60 s per run
 
 CP = {"CP_ATTENTION_VLLM": "1"}
 NO_REORDER = {"CP_ATTENTION_VLLM_REORDER": "0"}
