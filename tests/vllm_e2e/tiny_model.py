@@ -16,16 +16,21 @@ CONFIG = {
 }
 
 
-def make_tiny_llama(directory: Path, seed: int = 1234) -> Path:
-    """Write config.json + model.safetensors (fixed seed) into ``directory``; returns it."""
+def make_tiny_llama(directory: Path, seed: int = 1234, num_kv_heads: int = 1) -> Path:
+    """Write config.json + model.safetensors (fixed seed) into ``directory``; returns it.
+
+    num_kv_heads: 1 (4 query heads share it; what vLLM's DCP rules need at tp=2) or 2 (GQA
+    groups of 2 query heads).
+    """
     from safetensors.torch import save_file
 
+    config = {**CONFIG, "num_key_value_heads": num_kv_heads}
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(CONFIG, indent=1))
+    (directory / "config.json").write_text(json.dumps(config, indent=1))
     gen = torch.Generator().manual_seed(seed)
-    hidden, inter, vocab = CONFIG["hidden_size"], CONFIG["intermediate_size"], CONFIG["vocab_size"]
-    heads, kv_heads, dim = (CONFIG["num_attention_heads"], CONFIG["num_key_value_heads"],
-                            CONFIG["head_dim"])
+    hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    heads, kv_heads, dim = (config["num_attention_heads"], config["num_key_value_heads"],
+                            config["head_dim"])
 
     def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
         return (torch.randn(*shape, generator=gen) * scale).contiguous()
@@ -33,7 +38,7 @@ def make_tiny_llama(directory: Path, seed: int = 1234) -> Path:
     weights = {"model.embed_tokens.weight": rand(vocab, hidden),
                "model.norm.weight": torch.ones(hidden),
                "lm_head.weight": rand(vocab, hidden, scale=0.5)}
-    for layer in range(CONFIG["num_hidden_layers"]):
+    for layer in range(config["num_hidden_layers"]):
         p = f"model.layers.{layer}."
         weights.update({
             p + "self_attn.q_proj.weight": rand(heads * dim, hidden, scale=0.6),
