@@ -17,7 +17,7 @@ Each configuration is one resident offline ``vllm.LLM`` in its own subprocess (t
 of the three configurations are interleaved (same machine load for all). TTFT = wall time of
 ``LLM.generate`` of one random prompt (no prefix caching, a new prompt every time) with
 ``max_tokens=1``, prefilled in one step (``max_num_batched_tokens`` >= prompt), after one
-untimed warm-up request of the same length; median over repeats. Prefill throughput =
+untimed warm-up request (of the shortest length); median over repeats. Prefill throughput =
 prompt tokens / TTFT.
 
     python -m benchmarks.bench_vllm_ttft --out results/ [--quick] [--configs cp_pcp1 ...]
@@ -174,9 +174,8 @@ def run(out_dir: str | Path, quick: bool = False, configs: list[str] | None = No
                 engines[name] = Engine(name, model, max(lengths), Path(tmp))
                 print(f"{name}: engine ready in {engines[name].startup_s:.0f} s", flush=True)
             seed = 0
-            for n in lengths:  # one untimed warm-up request per configuration and length
-                for name in configs:
-                    engines[name].ttft(n, seed := seed + 1)
+            for name in configs:  # one untimed warm-up request each (the shortest length)
+                engines[name].ttft(lengths[0], seed := seed + 1)
             for rep in range(repeats):
                 for n in lengths:
                     order = configs if rep % 2 == 0 else configs[::-1]
