@@ -96,6 +96,19 @@ def test_vllm_layout_and_two_kv_heads(pools, sizes, heads, kv_heads, kv_shard, i
     run_checked(pools, w)
 
 
+@pytest.mark.parametrize("sizes, dtype", [((1, 2, 2), "bfloat16"), ((1, 4, 4), "float32"),
+                                          ((2, 2, 2), "float32")])
+def test_dcp_a2a_combine_matches_oracle(pools, sizes, dtype):
+    """dcp_comm_backend="a2a": one all-to-all of packed [out | lse] per head slice instead of
+    all-gather LSE + reduce-scatter; same accuracy, and the run really takes the a2a path."""
+    cfg = config(*sizes, block_size=16, cp_kv_interleave_size=1)
+    w = Workload(cfg, multi_step_steps([1, 3, 40, 130], decodes=4), num_heads=8,
+                 num_kv_heads=1, head_size=16, dtype=dtype, seed=23, dcp_comm_backend="a2a")
+    for rep in run_checked(pools, w):
+        assert rep.comm_calls.get("reduce_scatter", 0) == 0, rep.comm_calls
+        assert rep.comm_calls.get("all_to_all", 0) > 0, rep.comm_calls
+
+
 def test_batch_of_one(pools):
     cfg = config(1, 4, 4, block_size=16, cp_kv_interleave_size=1)
     w = Workload(cfg, multi_step_steps([700], decodes=16), num_heads=8, num_kv_heads=1,

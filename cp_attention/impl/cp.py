@@ -5,8 +5,10 @@ On top of the single-device plan it adds the data movement:
     rank attends its head and tail chunks (unmasked part + causal diagonal, merged by LSE).
   * cached context (any CP): the query rows are gathered (tokens over PCP when the cache is
     sharded over PCP ranks, heads over DCP), attend this rank's KV shard, and the partials are
-    combined exactly: all-gather LSE + reduce-scatter of rescaled outputs over DCP, then one
-    all-to-all of packed ``[out | lse]`` over PCP and a merge of the pcp partials.
+    combined exactly over DCP, either all-gather LSE + reduce-scatter of rescaled outputs
+    (``dcp_comm_backend="ag_rs"``) or one all-to-all of packed ``[out | lse]`` per head slice
+    and a merge (``"a2a"``), then one all-to-all of packed ``[out | lse]`` over PCP and a merge
+    of the pcp partials.
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from cp_attention.impl.base import BaseAttentionImpl
 from cp_attention.metadata.builder import AttentionMetadata
 from cp_attention.ops import merge_many
 
+DCP_COMM_BACKENDS = ("ag_rs", "a2a")
+
 
 class CPAttentionImpl(BaseAttentionImpl):
     """Attention of one layer on one CP rank; ``groups`` is a :class:`CPGroups`."""
@@ -25,9 +29,14 @@ class CPAttentionImpl(BaseAttentionImpl):
     supports_pcp = True
     supports_dcp = True
 
-    def __init__(self, *args, groups=None, **kwargs) -> None:
+    def __init__(self, *args, groups=None, dcp_comm_backend: str = "ag_rs", **kwargs) -> None:
+        """dcp_comm_backend: how DCP partials are combined, "ag_rs" or "a2a" (see module doc)."""
         if groups is None:
             raise ValueError("CPAttentionImpl needs groups (CPGroups.create(config))")
+        if dcp_comm_backend not in DCP_COMM_BACKENDS:
+            raise ValueError(f"dcp_comm_backend must be one of {DCP_COMM_BACKENDS}, "
+                             f"got {dcp_comm_backend!r}")
+        self.dcp_comm_backend = dcp_comm_backend
         super().__init__(*args, groups=groups, **kwargs)
         self.config = groups.config
         if self.config.dcp_size > 1 and self.num_kv_heads != 1:
@@ -110,7 +119,9 @@ class CPAttentionImpl(BaseAttentionImpl):
 
     def _combine_context(self, out, lse, meta):
         groups, cfg = self.groups, self.config
-        if cfg.dcp_size > 1:
+        if cfg.dcp_size > 1 and self.dcp_comm_backend == "a2a":
+            out, lse = self._combine_dcp_a2a(out, lse)
+        elif cfg.dcp_size > 1:
             rows, heads = lse.shape
             all_lse = self.comm.all_gather(lse.float(), groups.dcp_group).view(cfg.dcp_size, rows, heads)
             total = torch.logsumexp(all_lse, dim=0)
@@ -130,6 +141,16 @@ class CPAttentionImpl(BaseAttentionImpl):
             received = self.comm.all_to_all(send, groups.pcp_group)
             out, lse = merge_many(received[..., :-1], received[..., -1])
         return out, lse
+
+    def _combine_dcp_a2a(self, out, lse):
+        """out [rows, dcp * H, D], lse [rows, dcp * H] (every head of the DCP group, this
+        rank's KV shard) -> ([rows, H, D], [rows, H]) for this rank's heads, merged over shards:
+        one all-to-all of packed ``[out | lse]`` ([dcp, rows, H, D + 1]) then a merge."""
+        dcp, rows = self.config.dcp_size, out.shape[0]
+        packed = torch.cat([out, lse.to(out.dtype).unsqueeze(-1)], dim=-1)
+        send = packed.view(rows, dcp, self.num_heads, -1).transpose(0, 1)
+        received = self.comm.all_to_all(send, self.groups.dcp_group)
+        return merge_many(received[..., :-1].float(), received[..., -1].float())
 
 
 class _PendingStepKV:

@@ -40,6 +40,7 @@ class Workload:
     logit_scale: float = 1.0  # > 1 makes the softmax peaked
     seed: int = 0
     spare_blocks: int = 2
+    dcp_comm_backend: str = "ag_rs"  # how the CP impl combines DCP partials ("ag_rs" | "a2a")
 
     @property
     def final_lengths(self) -> dict[int, int]:
@@ -96,6 +97,7 @@ class RankReport:
     cache_bytes: int = 0
     comm_bytes: int = 0
     comm_bytes_per_step: list[int] = field(default_factory=list)
+    comm_calls: dict[str, int] = field(default_factory=dict)  # collective name -> calls
     seconds: float = 0.0
 
 
@@ -115,7 +117,8 @@ def run_workload(w: Workload, rank: int = 0, groups: CPGroups | None = None,
                        num_kv_heads=len(kv_heads), sliding_window=w.sliding_window,
                        attn_type=attn_type)
     if cfg.uses_cp:
-        impl = backend.get_impl_cls(cfg)(**impl_kwargs, groups=groups)
+        impl = backend.get_impl_cls(cfg)(**impl_kwargs, groups=groups,
+                                         dcp_comm_backend=w.dcp_comm_backend)
     else:
         impl = backend.get_impl_cls(cfg)(**impl_kwargs)
     dtype = DTYPES[w.dtype]
@@ -178,6 +181,7 @@ def run_workload(w: Workload, rank: int = 0, groups: CPGroups | None = None,
         if check:
             report.cache_exact = _cache_matches(w, cache, tokens, blocks, computed, ranks, kv_sel)
     report.comm_bytes = comm.total_bytes if comm is not None else 0
+    report.comm_calls = dict(comm.calls) if comm is not None else {}
     return report
 
 

@@ -1,4 +1,5 @@
-"""End to end in a real vLLM (CPU): vLLM's CPU_ATTN vs cp_attention at tp=1 and tp=2 dcp=2.
+"""End to end in a real vLLM (CPU): vLLM's CPU_ATTN vs cp_attention at tp=1 and tp=2 dcp=2
+(combine `ag_rs` and `a2a`, vLLM's --dcp-comm-backend); PCP runs: test_e2e_pcp.py.
 
 Each configuration runs in a fresh subprocess (``run_llm.py``) on a tiny Llama with random
 weights (4 query heads, 1 KV head, head_dim 32), greedy fp32, block size 32, 4 prompts given
@@ -37,7 +38,7 @@ MAX_TOKENS = [1, 12, 12, 12]  # request 0 finishes at once, freeing batch slot 0
 LOGPROB_TOL = 1e-3  # |logprob(ours) - logprob(vLLM CPU_ATTN)| for the returned top-2 tokens
 MIN_MARGIN = 5e-3  # greedy top-1 minus top-2 logprob, every step of the reference run
 MARGIN_OVER_DIFF = 10.0  # margins must exceed the largest logprob difference by this factor
-RUN_TIMEOUT_S = 300
+RUN_TIMEOUT_S = 900  # a loaded 2-core box; quiet machine: < 60 s per run
 
 CP = {"CP_ATTENTION_VLLM": "1"}
 NO_REORDER = {"CP_ATTENTION_VLLM_REORDER": "0"}
@@ -49,10 +50,11 @@ RUNS = {
     "cp_tp1_noreorder": ({**CP, **NO_REORDER}, []),
     "cp_tp2_dcp2": ({**CP, **TWO_RANKS}, DCP2),
     "cp_tp2_dcp2_il16_noreorder": ({**CP, **TWO_RANKS, **NO_REORDER}, DCP2 + ["--interleave", "16"]),
+    "cp_tp2_dcp2_a2a": ({**CP, **TWO_RANKS}, DCP2 + ["--dcp-comm-backend", "a2a"]),
     "cp_tp2_dcp2_fault": ({**CP, **TWO_RANKS, "CP_ATTENTION_VLLM_FAULT": "skip_dcp_combine"}, DCP2),
 }
 REFERENCE = "cpu_attn_tp1"
-OURS = ["cp_tp1", "cp_tp1_noreorder", "cp_tp2_dcp2", "cp_tp2_dcp2_il16_noreorder"]
+OURS = ["cp_tp1", "cp_tp1_noreorder", "cp_tp2_dcp2", "cp_tp2_dcp2_il16_noreorder", "cp_tp2_dcp2_a2a"]
 
 
 class Runs:
@@ -133,6 +135,8 @@ def test_our_backend_is_used(runs, name):
     assert f"cp_attention impl active: {impl}" in log
     if "dcp2" in name:
         assert "dcp rank 0/2" in log and "dcp rank 1/2" in log
+        backend = "a2a" if "a2a" in name else "ag_rs"  # vLLM's --dcp-comm-backend, honoured
+        assert f"dcp_comm_backend {backend}" in log
     # with vLLM's reorder the orders agree; without it the gather/scatter path must have run
     assert ("row order differs from vLLM's batch order" in log) == ("noreorder" in name)
 

@@ -1,6 +1,6 @@
-"""The vLLM plugin's pieces, in process: registration, slot-mapping shim, batch translation,
-KV-cache view, and PCP metadata from vLLM-shaped inputs (PCP itself cannot run in vLLM 0.32 CPU,
-docs/vllm.md)."""
+"""The vLLM plugin's pieces, in process: registration, start-up refusals, slot-mapping shim,
+batch translation, config mapping, KV-cache view, PCP metadata and hidden-state restore from
+vLLM-shaped inputs (PCP end to end: test_e2e.py)."""
 from __future__ import annotations
 
 import os
@@ -13,9 +13,12 @@ import torch
 
 from cp_attention.config import CPConfig
 from cp_attention.integrations import vllm as plugin
-from cp_attention.integrations.vllm.adapter import (SlotMappingMismatch, check_slot_mapping,
-                                                    cp_config_from_vllm, row_order,
-                                                    slots_in_vllm_order, step_from_vllm)
+from cp_attention.integrations.vllm.adapter import (SlotMappingMismatch, UnsupportedLayout,
+                                                    check_slot_mapping, cp_config_from_vllm,
+                                                    expected_vllm_dcp_rank, local_input_rows,
+                                                    pack_held_rows, pick_held_rows, row_order,
+                                                    rows_holding, slots_in_vllm_order,
+                                                    step_from_vllm)
 from cp_attention.integrations.vllm.slot_mapping import (cp_slot_mapping,
                                                          install_slot_mapping_shim,
                                                          make_slot_mapping_impl)
@@ -72,13 +75,21 @@ def test_core_package_never_imports_vllm():
 @pytest.fixture
 def clean_registry(monkeypatch):
     import vllm.utils.cpu_triton_utils as cpu_tl
+    from vllm.config import VllmConfig
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    def unhook():  # undo the PCP config hook of an earlier register()
+        method = VllmConfig._get_v1_model_runner_unsupported_features
+        VllmConfig._get_v1_model_runner_unsupported_features = getattr(method, "__wrapped__",
+                                                                       method)
 
     original = cpu_tl._compute_slot_mapping_kernel_impl
     AttentionBackendEnum.CPU_ATTN.clear_override()
+    unhook()
     yield AttentionBackendEnum, cpu_tl, original
     AttentionBackendEnum.CPU_ATTN.clear_override()
     cpu_tl._compute_slot_mapping_kernel_impl = original
+    unhook()
 
 
 def test_register_does_nothing_without_opt_in(clean_registry, monkeypatch):
@@ -114,7 +125,7 @@ def test_backend_contract():
 
     assert issubclass(CPVllmBackend, AttentionBackend)
     assert CPVllmBackend.get_name() in AttentionBackendEnum.__members__
-    assert CPVllmBackend.supports_dcp() and not CPVllmBackend.supports_pcp()
+    assert CPVllmBackend.supports_dcp() and CPVllmBackend.supports_pcp()  # cp_utils.py:36
     assert CPVllmImpl.can_return_lse_for_decode  # vllm/v1/worker/cp_utils.py:51
     assert CPVllmBackend.forward_includes_kv_cache_update
     assert CPVllmBackend.supports_dtype(torch.float32) and CPVllmBackend.supports_dtype(torch.bfloat16)
@@ -135,34 +146,130 @@ def test_cp_config_from_vllm_parallel_config():
         cp_config_from_vllm(pc, block_size=24)
 
 
-def test_backend_refuses_pcp():
+@pytest.mark.parametrize("tp, pcp, dcp, expected", [
+    (2, 1, 2, (1, 2, "dcp", 2)),  # DCP over consecutive TP ranks
+    (1, 2, 1, (2, 1, "dcp", 1)),  # PCP alone: full KV on every PCP rank
+    (2, 2, 1, (2, 1, "dcp", 1)),
+    (2, 2, 2, (2, 1, "cp", 2)),  # vLLM's DCP group spans the PCP ranks: KV sharded over PCP
+    (1, 2, 2, (2, 1, "cp", 2)),
+])
+def test_cp_config_maps_both_pcp_layouts(tp, pcp, dcp, expected):
+    from vllm.config import ParallelConfig
+
+    pc = ParallelConfig(tensor_parallel_size=tp, prefill_context_parallel_size=pcp,
+                        decode_context_parallel_size=dcp)
+    cfg = cp_config_from_vllm(pc, block_size=32)
+    assert (cfg.pcp_size, cfg.dcp_size, cfg.kv_shard, cfg.kv_world) == expected
+
+
+def test_cp_config_layout_matches_vllm_groups():
+    """vLLM's own group construction (parallel_state.py:2222): DCP spans PCP first. Our KV
+    shard of every worker must equal vLLM's DCP rank, and DCP groups = our KV groups."""
+    import torch as t
+
+    for tp, pcp, dcp in [(2, 2, 2), (1, 2, 2), (4, 1, 2), (2, 2, 1)]:
+        all_ranks = t.arange(tp * pcp).reshape(1, 1, 1, pcp, tp)  # as initialize_model_parallel
+        ranks = all_ranks.transpose(-1, -2) if dcp > 1 else all_ranks
+        groups = [g.tolist() for g in ranks.reshape(-1, dcp).unbind(0)]
+        from vllm.config import ParallelConfig
+
+        cfg = cp_config_from_vllm(ParallelConfig(tensor_parallel_size=tp,
+                                                 prefill_context_parallel_size=pcp,
+                                                 decode_context_parallel_size=dcp), 32)
+        for group in groups:
+            for vllm_dcp_rank, world_rank in enumerate(group):
+                pcp_rank, tp_rank = divmod(world_rank, tp)
+                ours = CPRanks.of(cfg, world_rank)
+                assert expected_vllm_dcp_rank(cfg, pcp_rank, tp_rank) == (vllm_dcp_rank if dcp > 1 else 0)
+                assert cfg.kv_rank(ours.pcp_rank, ours.dcp_rank) == (vllm_dcp_rank if dcp > 1 else 0)
+
+
+def test_cp_config_refuses_dcp_over_tp_and_pcp():
+    from vllm.config import ParallelConfig
+
+    pc = ParallelConfig(tensor_parallel_size=2, prefill_context_parallel_size=2,
+                        decode_context_parallel_size=4)
+    with pytest.raises(UnsupportedLayout, match="--decode-context-parallel-size 4"):
+        cp_config_from_vllm(pc, block_size=32)
+
+
+def _engine_config(model, **kwargs):
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = dict(model=str(model), skip_tokenizer_init=True, load_format="safetensors",
+                enforce_eager=True, block_size=32, max_model_len=256)
+    return EngineArgs(**{**args, **kwargs}).create_engine_config()
+
+
+@pytest.fixture
+def pcp_plugin(monkeypatch, clean_registry):
+    """The plugin registered (undone afterwards by clean_registry)."""
+    monkeypatch.setenv(plugin.ENV_ENABLE, "1")
+    plugin.register()
+
+
+def test_vllm_rejects_pcp_without_plugin(tmp_path, monkeypatch, clean_registry):
+    """Without CP_ATTENTION_VLLM=1 vLLM's own refusal stays (vllm/config/vllm.py:2960/3198)."""
+    from tiny_model import make_tiny_llama
+
+    monkeypatch.delenv(plugin.ENV_ENABLE, raising=False)
+    plugin.register()
+    with pytest.raises(ValueError, match="Model Runner V1 does not support: prefill context"):
+        _engine_config(make_tiny_llama(tmp_path / "tiny"), prefill_context_parallel_size=2)
+
+
+def test_plugin_lifts_pcp_refusal_and_selects_pcp_worker(tmp_path, pcp_plugin):
+    from cp_attention.integrations.vllm.config_hook import PCP_WORKER
+
+    model = make_tiny_llama_dir(tmp_path)
+    config = _engine_config(model, prefill_context_parallel_size=2)
+    assert config.parallel_config.worker_cls == PCP_WORKER
+    plain = _engine_config(model)  # pcp = 1: vLLM's own worker
+    assert plain.parallel_config.worker_cls != PCP_WORKER
+
+
+def make_tiny_llama_dir(tmp_path):
+    from tiny_model import make_tiny_llama
+
+    return make_tiny_llama(tmp_path / "tiny", num_kv_heads=2)
+
+
+@pytest.mark.parametrize("kwargs, flag", [
+    ({"enforce_eager": False}, "--enforce-eager"),
+    ({"pipeline_parallel_size": 2}, "--pipeline-parallel-size"),
+    ({"enable_lora": True}, "--enable-lora"),
+    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2,
+                             "prompt_lookup_max": 2}}, "--speculative-config"),
+    ({"worker_cls": "my.Worker"}, "--worker-cls my.Worker"),
+])
+def test_plugin_refuses_unsupported_pcp_combinations(tmp_path, pcp_plugin, kwargs, flag):
+    """Each refusal happens while the config is built and names the flag."""
+    with pytest.raises(ValueError) as err:
+        _engine_config(make_tiny_llama_dir(tmp_path), prefill_context_parallel_size=2, **kwargs)
+    assert flag in str(err.value), str(err.value)
+
+
+def test_pcp_refusal_list_covers_multimodal_and_mla():
+    """Flags vLLM cannot even build a config for on this tiny model: checked on the list."""
     from types import SimpleNamespace
 
     from vllm.config import ParallelConfig
 
-    from cp_attention.integrations.vllm.backend import vllm_cp_config
+    from cp_attention.integrations.vllm.config_hook import pcp_unsupported
 
-    pcp = SimpleNamespace(parallel_config=ParallelConfig(prefill_context_parallel_size=2))
-    with pytest.raises(NotImplementedError, match="prefill context parallel"):
-        vllm_cp_config(pcp, block_size=32)
-    dcp = SimpleNamespace(parallel_config=ParallelConfig(tensor_parallel_size=2,
-                                                         decode_context_parallel_size=2))
-    assert vllm_cp_config(dcp, block_size=32).dcp_size == 2
+    def config(**model):
+        mc = dict(enforce_eager=True, is_multimodal_model=False, is_encoder_decoder=False,
+                  use_mla=False, runner_type="generate")
+        return SimpleNamespace(
+            parallel_config=ParallelConfig(prefill_context_parallel_size=2),
+            model_config=SimpleNamespace(**{**mc, **model}),
+            cache_config=SimpleNamespace(block_size=32, kv_sharing_fast_prefill=False),
+            speculative_config=None, lora_config=None, kv_transfer_config=None)
 
-
-def test_vllm_rejects_pcp_on_cpu(tmp_path, monkeypatch, clean_registry):
-    """The boundary documented in docs/vllm.md: PCP dies in vLLM's config validation
-    (V1 runner, vllm/config/vllm.py:2960/3198) before any attention backend is chosen."""
-    from vllm.engine.arg_utils import EngineArgs
-
-    from tiny_model import make_tiny_llama
-
-    monkeypatch.setenv(plugin.ENV_ENABLE, "1")
-    model = make_tiny_llama(tmp_path / "tiny")
-    args = EngineArgs(model=str(model), skip_tokenizer_init=True, load_format="safetensors",
-                      enforce_eager=True, block_size=32, prefill_context_parallel_size=2)
-    with pytest.raises(ValueError, match="Model Runner V1 does not support: prefill context"):
-        args.create_engine_config()
+    assert pcp_unsupported(config()) == []
+    assert "multimodal" in " ".join(pcp_unsupported(config(is_multimodal_model=True)))
+    assert "MLA" in " ".join(pcp_unsupported(config(use_mla=True)))
+    assert "--runner pooling" in " ".join(pcp_unsupported(config(runner_type="pooling")))
 
 
 # -- slot mapping -----------------------------------------------------------------------------
@@ -237,7 +344,7 @@ def test_dcp_slot_mapping_check_accepts_vllm_and_rejects_corruption(interleave):
                            interleave=interleave)
         vstep, meta = build(cm, config, CPRanks(0, rank, rank))
         check_slot_mapping(meta, cm.slot_mapping, vstep.num_tokens, vstep.step)
-        stored = slots_in_vllm_order(meta, vstep.num_tokens) >= 0
+        stored = slots_in_vllm_order(meta, vstep.num_tokens, vstep.step) >= 0
         assert 0 < int(stored.sum()) < vstep.num_tokens  # DCP: each rank stores a share
         bad = cm.slot_mapping.clone()
         first = int(torch.nonzero(stored)[0, 0])
@@ -301,7 +408,67 @@ def test_pcp_metadata_from_vllm_shaped_batch():
         expected = np.full(len(step_tokens), -1)
         expected[step_tokens >= 0] = cm.slot_mapping.numpy()[step_tokens[step_tokens >= 0]]
         np.testing.assert_array_equal(meta.step_slot_mapping.numpy(), expected)
+        check_slot_mapping(meta, cm.slot_mapping, vstep.num_tokens, vstep.step)  # PCP check
+        bad = cm.slot_mapping.clone()
+        bad[30] += 1  # a prefill token only one PCP rank computes: both ranks must notice
+        with pytest.raises(SlotMappingMismatch, match="token 30 "):
+            check_slot_mapping(meta, bad, vstep.num_tokens, vstep.step)
         with pytest.raises(ValueError, match="pcp_size > 1"):
             row_order(meta, vstep.num_tokens)  # PCP rows are not a permutation of vLLM's
     prefill_tokens = np.arange(1, 59)
     assert (seen[prefill_tokens] == 1).all()  # each prefill token on exactly one PCP rank
+
+
+@pytest.mark.parametrize("dcp_over_pcp", [False, True])
+def test_pcp_slot_mapping_check_with_kv_sharded_over_pcp(dcp_over_pcp):
+    """vLLM pcp=2 dcp=2: each PCP rank stores the tokens its vLLM DCP rank owns (virtual
+    blocks of 2 x block_size); our kv_shard="cp" metadata must produce exactly vLLM's slots."""
+    from vllm.config import ParallelConfig
+
+    pc = ParallelConfig(tensor_parallel_size=2, prefill_context_parallel_size=2,
+                        decode_context_parallel_size=2 if dcp_over_pcp else 1)
+    config = cp_config_from_vllm(pc, block_size=16)
+    computed, new = [30, 0, 63, 5], [1, 21, 37, 1]
+    for pcp_rank in range(2):
+        world, rank = (2, pcp_rank) if dcp_over_pcp else (1, 0)
+        cm, _ = vllm_batch(computed, new, block_size=16, world=world, rank=rank)
+        vstep, meta = build(cm, config, CPRanks(pcp_rank, 1, 0))
+        check_slot_mapping(meta, cm.slot_mapping, vstep.num_tokens, vstep.step)
+        if dcp_over_pcp:
+            other, _ = vllm_batch(computed, new, block_size=16, world=2, rank=1 - pcp_rank)
+            with pytest.raises(SlotMappingMismatch):
+                check_slot_mapping(meta, other.slot_mapping, vstep.num_tokens, vstep.step)
+
+
+@pytest.mark.parametrize("new", [[1, 21, 37, 1], [5, 6, 1, 3], [1]])
+def test_hidden_restore_rows_from_every_pcp_rank(new):
+    """Model input rows per PCP rank and the restore of wanted rows (pure index math): with
+    hidden = f(token) on every rank, the restored rows equal f(wanted token) exactly, whichever
+    rank computed them (last token of 6- and 5-token prompts lands on PCP rank 1)."""
+    computed = [30 if n == 1 else 0 for n in new]
+    cm, positions = vllm_batch(computed, new, block_size=16)
+    config = CPConfig(pcp_size=2, block_size=16, kv_shard="dcp")
+    num_tokens = int(sum(new))
+    wanted_sets = [cm.query_start_loc_cpu[1:].long() - 1, torch.arange(num_tokens)]
+    feature = torch.randn(num_tokens, 8, dtype=torch.float64)
+    for wanted in wanted_sets:
+        packs, owners = [], []
+        for rank in range(2):
+            vstep, meta = build(cm, config, CPRanks(rank, 0, 0))
+            token_idx, pos = local_input_rows(meta)
+            real = meta.local_token_idx[:meta.num_actual_tokens] >= 0
+            assert torch.equal(pos[real], positions[token_idx[real]])  # RoPE positions
+            hidden = feature[token_idx]  # what the model computes for this rank's rows
+            held = rows_holding(meta, wanted)
+            owners.append(held >= 0)
+            packs.append(pack_held_rows(hidden, held))
+        restored = pick_held_rows(torch.stack(packs), wanted)
+        assert torch.equal(restored, feature[wanted])
+        assert bool((owners[0] | owners[1]).all())
+    if new == [5, 6, 1, 3]:  # prompts of 5 and 6 tokens end on rank 1 (chunks of 2)
+        last = cm.query_start_loc_cpu[1:].long() - 1
+        vstep, meta1 = build(cm, config, CPRanks(1, 0, 0))
+        vstep, meta0 = build(cm, config, CPRanks(0, 0, 0))
+        assert (rows_holding(meta1, last[:2]) >= 0).all() and (rows_holding(meta0, last[:2]) < 0).all()
+    with pytest.raises(RuntimeError, match="held by no PCP rank"):
+        pick_held_rows(torch.stack([torch.zeros(2, 9), torch.zeros(2, 9)]), torch.tensor([3, 4]))

@@ -17,15 +17,17 @@ CONFIG = {
 }
 
 
-def make_tiny_llama(directory: Path, seed: int = 1234, **overrides) -> Path:
+def make_tiny_llama(directory: Path, seed: int = 1234, num_kv_heads: int = 1,
+                    **overrides) -> Path:
     """Write config.json + model.safetensors (fixed seed) into ``directory``; returns it.
 
-    ``overrides`` replace CONFIG entries (e.g. ``num_hidden_layers=4, hidden_size=256``; the
-    TTFT benchmark builds a wider model this way).
+    num_kv_heads: 1 (4 query heads share it; what vLLM's DCP rules need at tp=2) or 2 (GQA
+    groups of 2 query heads). ``overrides`` replace other CONFIG entries (e.g.
+    ``num_hidden_layers=4, hidden_size=256``; the TTFT benchmark builds a wider model this way).
     """
     from safetensors.torch import save_file
 
-    config = {**CONFIG, **overrides}
+    config = {**CONFIG, "num_key_value_heads": num_kv_heads, **overrides}
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config, indent=1))
     gen = torch.Generator().manual_seed(seed)

@@ -1,4 +1,4 @@
-"""vLLM plugin: run vLLM's CPU attention through cp_attention (DCP included).
+"""vLLM plugin: run vLLM's CPU attention through cp_attention (DCP, PCP and PCP x DCP).
 
 Entry point (``pyproject.toml``, group ``vllm.general_plugins``)::
 
@@ -14,7 +14,14 @@ never changes vLLM silently. When enabled on the CPU platform it
   2. replaces the CPU fallback of vLLM's slot-mapping Triton kernel, which refuses context
      parallelism (``vllm/utils/cpu_triton_utils.py:27``), by a CP-aware one
      (:mod:`.slot_mapping`); the platform installs it right after the plugins load
-     (``worker_base.py:282``).
+     (``worker_base.py:282``), and
+  3. lifts vLLM's V1-runner refusal of ``--prefill-context-parallel-size > 1``, refusing at
+     start-up instead every combination cp_attention's PCP does not run and selecting the PCP
+     worker (:mod:`.config_hook`, :mod:`.worker`, :mod:`.model_runner`).
+
+Modules: ``adapter`` (pure translation vLLM batch <-> our metadata, config mapping, row
+restore index math; no vLLM import), ``slot_mapping`` (CPU slot-mapping shim), ``backend``
+(vLLM backend classes), ``config_hook`` (start-up checks), ``model_runner`` / ``worker`` (PCP).
 
 This module imports vLLM lazily (only inside :func:`register`); ``.backend`` imports it at
 module level and is only loaded by vLLM through the registered class path.
@@ -48,7 +55,9 @@ def register() -> None:
         return
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
+    from cp_attention.integrations.vllm.config_hook import install_pcp_config_hook
     from cp_attention.integrations.vllm.slot_mapping import install_slot_mapping_shim
 
     register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_CLASS_PATH)
     install_slot_mapping_shim()
+    install_pcp_config_hook()

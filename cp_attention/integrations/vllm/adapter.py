@@ -23,18 +23,59 @@ class SlotMappingMismatch(RuntimeError):
     """vLLM's slot mapping for a step differs from the one cp_attention computed."""
 
 
-def cp_config_from_vllm(parallel_config, block_size: int, decode_threshold: int = 1,
-                        kv_shard: str = "dcp") -> CPConfig:
-    """CPConfig of a vLLM deployment (``parallel_config``: vLLM ``ParallelConfig``-like)."""
+class UnsupportedLayout(NotImplementedError):
+    """A vLLM parallel layout cp_attention does not map (yet)."""
+
+
+def cp_config_from_vllm(parallel_config, block_size: int, decode_threshold: int = 1) -> CPConfig:
+    """CPConfig of a vLLM deployment (``parallel_config``: vLLM ``ParallelConfig``-like).
+
+    vLLM's worlds are ``rank = pcp_rank * tp + tp_rank`` like ours. Its DCP group is the TP
+    group's consecutive ranks when pcp = 1, and spans the PCP ranks first when pcp > 1
+    (``vllm/distributed/parallel_state.py:2222``); with pcp > 1 dcp must be 1, pcp or tp*pcp
+    (``vllm/config/parallel.py:590-603``). The KV cache is sharded over vLLM's DCP group only
+    (the scheduler counts blocks with ``dcp_world_size``, ``pcp_world_size=1``):
+
+    ======================  ===============================================================
+    vLLM (pcp, dcp)         ours
+    ======================  ===============================================================
+    (1, D)                  pcp=1, dcp=D, kv_shard="dcp"
+    (P, 1)                  pcp=P, dcp=1, kv_shard="dcp": every PCP rank keeps the whole KV
+    (P, P)                  pcp=P, dcp=1, kv_shard="cp": KV sharded over the PCP ranks (vLLM's
+                            DCP group == our PCP group, DCP rank == PCP rank)
+    (P, P*T), T > 1         refused (:class:`UnsupportedLayout`); vLLM's GQA rules
+                            (``dcp <= tp // kv_heads``) reject it for GQA models anyway
+    ======================  ===============================================================
+    """
+    pcp = int(parallel_config.prefill_context_parallel_size)
+    dcp = int(parallel_config.decode_context_parallel_size)
+    tp = int(parallel_config.tensor_parallel_size)
+    if pcp == 1:
+        ours_dcp, kv_shard = dcp, "dcp"
+    elif dcp == 1:
+        ours_dcp, kv_shard = 1, "dcp"
+    elif dcp == pcp:
+        ours_dcp, kv_shard = 1, "cp"
+    else:
+        raise UnsupportedLayout(
+            f"--decode-context-parallel-size {dcp} with --prefill-context-parallel-size {pcp} "
+            f"and --tensor-parallel-size {tp}: cp_attention maps dcp = 1 or dcp = pcp only")
     return CPConfig(
-        pcp_size=int(parallel_config.prefill_context_parallel_size),
-        dcp_size=int(parallel_config.decode_context_parallel_size),
-        tp_size=int(parallel_config.tensor_parallel_size),
+        pcp_size=pcp,
+        dcp_size=ours_dcp,
+        tp_size=tp,
         block_size=int(block_size),
         cp_kv_interleave_size=int(parallel_config.cp_kv_cache_interleave_size),
         kv_shard=kv_shard,
         decode_threshold=int(decode_threshold),
     )
+
+
+def expected_vllm_dcp_rank(config: CPConfig, pcp_rank: int, tp_rank: int) -> int:
+    """vLLM's DCP rank of a worker under :func:`cp_config_from_vllm`'s mapping."""
+    if config.pcp_size > 1:
+        return pcp_rank if config.kv_shard == "cp" else 0
+    return tp_rank % config.dcp_size
 
 
 @dataclass(frozen=True)
@@ -82,19 +123,84 @@ def row_order(meta: AttentionMetadata, num_tokens: int) -> torch.Tensor | None:
     return idx
 
 
-def slots_in_vllm_order(meta: AttentionMetadata, num_tokens: int) -> torch.Tensor:
-    """Our step slot mapping, re-indexed by vLLM token ([num_tokens] int64; -1 = not stored)."""
+def local_input_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """The vLLM token each row of this rank reads, and the rows' positions (PCP model input).
+
+    Returns (token_idx [num_actual_tokens] int64 with pads pointing at token 0, positions
+    [num_actual_tokens] int64 with 0 for pads). The attention impl masks pad rows.
+    """
     rows = meta.local_token_idx[:meta.num_actual_tokens]
+    return rows.clamp(min=0), meta.positions[:meta.num_actual_tokens]
+
+
+def rows_holding(meta: AttentionMetadata, tokens: torch.Tensor) -> torch.Tensor:
+    """This rank's row of each vLLM token in ``tokens`` ([n] int64), -1 where it has none."""
+    rows = meta.local_token_idx[:meta.num_actual_tokens]
+    tokens = tokens.to(torch.int64)
+    size = 1 + max(int(rows.max()) if rows.numel() else -1,
+                   int(tokens.max()) if tokens.numel() else -1)
+    where = torch.full((max(size, 1),), -1, dtype=torch.int64)
+    real = torch.nonzero(rows >= 0).flatten()
+    where[rows[real]] = real
+    return where[tokens]
+
+
+def pack_held_rows(hidden: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+    """[n, H + 1]: the hidden row for each wanted token this rank holds (``held`` >= 0), else
+    zeros; the last column is 1 where held, 0 elsewhere."""
+    flag = (held >= 0)
+    rows = hidden[held.clamp(min=0)] * flag.unsqueeze(-1).to(hidden.dtype)
+    return torch.cat([rows, flag.unsqueeze(-1).to(hidden.dtype)], dim=-1)
+
+
+def pick_held_rows(gathered: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """gathered [P, n, H + 1] (one :func:`pack_held_rows` per PCP rank) -> [n, H]: each row from
+    the first rank that holds it. Raises if some wanted token is held by no rank."""
+    held = gathered[..., -1] > 0  # [P, n]
+    missing = ~held.any(dim=0)
+    if bool(missing.any()):
+        bad = int(torch.nonzero(missing)[0, 0])
+        raise RuntimeError(f"hidden-state restore: token {int(tokens[bad])} is held by no PCP "
+                           "rank (row plan and vLLM batch disagree)")
+    first = held.to(torch.int8).argmax(dim=0)  # [n]
+    return gathered[first, torch.arange(gathered.shape[1]), :-1]
+
+
+def step_row_tokens(meta: AttentionMetadata, step: StepSpec) -> torch.Tensor:
+    """vLLM token of each step row (the rows KV is written from), -1 for PCP pads.
+
+    Without PCP step rows are the local rows. Under PCP they are the decode rows, then each
+    prefill's padded tokens in order (the restored all-gather of every rank's chunks).
+    """
+    split, nd = meta.pcp, meta.num_decode_tokens
+    if split is None:
+        return meta.local_token_idx[:meta.num_actual_tokens]
+    req = meta.prefill_reqs[split.restored_req]
+    pos = split.restored_padded_pos
+    new = np.asarray(step.num_scheduled_tokens, dtype=np.int64)[req]
+    tokens = np.where(pos < new, step.cu_new_tokens[req] + pos, -1)
+    return torch.cat([meta.local_token_idx[:nd], torch.from_numpy(tokens.astype(np.int64))])
+
+
+def slots_in_vllm_order(meta: AttentionMetadata, num_tokens: int, step: StepSpec) -> torch.Tensor:
+    """Our step slot mapping, re-indexed by vLLM token ([num_tokens] int64; -1 = not stored).
+
+    Raises if a token is written by no step row or by two (PCP: every token exactly once)."""
+    rows = step_row_tokens(meta, step)
     out = torch.full((num_tokens,), -1, dtype=torch.int64)
     real = rows >= 0
-    out[rows[real]] = meta.step_slot_mapping[:meta.num_actual_tokens][real]
+    count = torch.bincount(rows[real], minlength=num_tokens)
+    if count.numel() != num_tokens or bool((count != 1).any()):
+        bad = int(torch.nonzero(count != 1)[0, 0])
+        raise SlotMappingMismatch(f"token {bad} has {int(count[bad])} step rows (expected 1)")
+    out[rows[real]] = meta.step_slot_mapping[:rows.numel()][real]
     return out
 
 
 def check_slot_mapping(meta: AttentionMetadata, vllm_slots: torch.Tensor, num_tokens: int,
                        step: StepSpec, where: str = "") -> None:
     """Raise :class:`SlotMappingMismatch` unless vLLM's slots equal ours for every token."""
-    ours = slots_in_vllm_order(meta, num_tokens)
+    ours = slots_in_vllm_order(meta, num_tokens, step)
     theirs = vllm_slots[:num_tokens].to(device="cpu", dtype=torch.int64)
     if torch.equal(ours, theirs):
         return

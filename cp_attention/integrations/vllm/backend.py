@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import torch
 from vllm.config import VllmConfig, get_current_vllm_config
-from vllm.distributed.parallel_state import get_dcp_group, get_tp_group
+from vllm.distributed.parallel_state import get_dcp_group, get_pcp_group, get_tp_group
 from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionImpl,
                                        AttentionMetadataBuilder, AttentionType,
                                        CommonAttentionMetadata, MultipleOf)
@@ -26,7 +26,8 @@ from cp_attention.backend import CPAttentionBackend
 from cp_attention.config import CPConfig
 from cp_attention.integrations.vllm import LOGGER_NAME
 from cp_attention.integrations.vllm.adapter import (check_slot_mapping, cp_config_from_vllm,
-                                                    row_order, step_from_vllm)
+                                                    expected_vllm_dcp_rank, row_order,
+                                                    step_from_vllm)
 from cp_attention.metadata.builder import AttentionMetadata
 from cp_attention.parallel import CPGroups, CPRanks
 
@@ -46,31 +47,36 @@ def _inject_skip_dcp_combine(impl) -> None:
 
 def vllm_cp_config(vllm_config: VllmConfig, block_size: int, decode_threshold: int = 1
                    ) -> CPConfig:
-    """Our CPConfig for this vLLM deployment; PCP is refused (vLLM 0.32 cannot run it)."""
-    config = cp_config_from_vllm(vllm_config.parallel_config, block_size, decode_threshold)
-    if config.pcp_size > 1:
-        raise NotImplementedError("prefill context parallel through vLLM is not supported "
-                                  "(vLLM 0.32 runs PCP only on the V2 runner, for MLA models); "
-                                  "see docs/vllm.md")
-    return config
+    """Our CPConfig for this vLLM deployment (mapping: ``adapter.cp_config_from_vllm``)."""
+    return cp_config_from_vllm(vllm_config.parallel_config, block_size, decode_threshold)
 
 
 def vllm_ranks(config: CPConfig) -> CPRanks:
-    """This worker's coordinates from vLLM's parallel state (pcp is always 1 here)."""
+    """This worker's coordinates from vLLM's parallel state, checked against the mapping."""
     tp_rank = get_tp_group().rank_in_group if config.tp_size > 1 else 0
-    dcp_rank = get_dcp_group().rank_in_group if config.dcp_size > 1 else 0
-    if dcp_rank != tp_rank % config.dcp_size:
-        raise RuntimeError(f"vLLM DCP rank {dcp_rank} is not tp_rank {tp_rank} % dcp_size "
-                           f"{config.dcp_size}: unexpected group layout")
-    return CPRanks(pcp_rank=0, tp_rank=tp_rank, dcp_rank=dcp_rank)
+    pcp_rank = get_pcp_group().rank_in_group if config.pcp_size > 1 else 0
+    dcp_rank = tp_rank % config.dcp_size
+    vllm_dcp = get_dcp_group()
+    expected = expected_vllm_dcp_rank(config, pcp_rank, tp_rank)
+    if vllm_dcp.world_size > 1 and vllm_dcp.rank_in_group != expected:
+        raise RuntimeError(f"vLLM DCP rank {vllm_dcp.rank_in_group} (pcp rank {pcp_rank}, tp rank "
+                           f"{tp_rank}) is not the {expected} cp_attention's mapping expects: "
+                           "unexpected group layout")
+    return CPRanks(pcp_rank=pcp_rank, tp_rank=tp_rank, dcp_rank=dcp_rank)
 
 
 def vllm_groups(config: CPConfig) -> CPGroups:
-    """CPGroups over vLLM's gloo (``cpu_group``) TP and DCP groups."""
+    """CPGroups over vLLM's gloo (``cpu_group``) TP, PCP and DCP groups.
+
+    Our DCP group is vLLM's when pcp == 1; with vLLM dcp == pcp our dcp is 1 and vLLM's DCP
+    group (the same ranks as the PCP group) is our KV group.
+    """
     tp = get_tp_group().cpu_group if config.tp_size > 1 else None
+    pcp = get_pcp_group().cpu_group if config.pcp_size > 1 else None
     dcp = get_dcp_group().cpu_group if config.dcp_size > 1 else None
-    return CPGroups(config, vllm_ranks(config), torch.device("cpu"), pcp_group=None,
-                    tp_group=tp, dcp_group=dcp, kv_group=dcp)
+    kv = get_dcp_group().cpu_group if config.kv_world > 1 else None
+    return CPGroups(config, vllm_ranks(config), torch.device("cpu"), pcp_group=pcp,
+                    tp_group=tp, dcp_group=dcp, kv_group=kv)
 
 
 def kv_cache_view(kv_cache: torch.Tensor, head_size: int) -> torch.Tensor:
@@ -115,10 +121,12 @@ class CPVllmMetadata:
     """Our per-rank metadata plus what the impl needs to map rows back to vLLM's order."""
 
     inner: AttentionMetadata
-    num_actual_tokens: int  # vLLM's real tokens of the step
+    num_actual_tokens: int  # rows the layer computes: vLLM's real tokens, or PCP local rows
     row_idx: torch.Tensor | None  # [num_actual_tokens] vLLM token of each of our rows; None = same
     block_size: int
     slot_mapping: torch.Tensor  # vLLM's (kept for code that reads it generically)
+    num_vllm_tokens: int  # vLLM's real tokens of the step
+    last_token_idx: torch.Tensor  # [num_reqs] vLLM token index of each request's last new token
 
 
 class CPVllmMetadataBuilder(AttentionMetadataBuilder[CPVllmMetadata]):
@@ -149,15 +157,17 @@ class CPVllmMetadataBuilder(AttentionMetadataBuilder[CPVllmMetadata]):
         meta = self.inner.build(vstep.step)
         check_slot_mapping(meta, cm.slot_mapping, vstep.num_tokens, vstep.step,
                            where=f"[rank {self.inner.ranks}] ")
-        rows = row_order(meta, vstep.num_tokens)
+        rows = row_order(meta, vstep.num_tokens) if self.config.pcp_size == 1 else None
         log.debug("cp_attention step: computed %s new %s reordered %s",
                   vstep.step.num_computed_tokens, vstep.step.num_scheduled_tokens, rows is not None)
         if rows is not None and not self._reorder_seen:
             self._reorder_seen = True
             log.info("cp_attention: row order differs from vLLM's batch order (our rows put "
                      "decodes first); rows are gathered and scattered")
-        return CPVllmMetadata(meta, vstep.num_tokens, rows, self.config.block_size,
-                              cm.slot_mapping)
+        qsl = cm.query_start_loc_cpu[:cm.num_reqs + 1].to(torch.int64)
+        num_rows = meta.num_actual_tokens if self.config.pcp_size > 1 else vstep.num_tokens
+        return CPVllmMetadata(meta, num_rows, rows, self.config.block_size, cm.slot_mapping,
+                              vstep.num_tokens, qsl[1:] - 1)
 
 
 class CPVllmImpl(AttentionImpl[CPVllmMetadata]):
@@ -165,7 +175,7 @@ class CPVllmImpl(AttentionImpl[CPVllmMetadata]):
 
     can_return_lse_for_decode: bool = True  # the DCP combine merges by LSE (cp_utils.py:51)
     supports_dcp: bool = True
-    supports_pcp: bool = False  # vLLM 0.32 cannot run PCP for this backend (docs/vllm.md)
+    supports_pcp: bool = True  # with the plugin's PCP model runner (model_runner.py)
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
                  alibi_slopes: list[float] | None = None, sliding_window: int | None = None,
@@ -187,18 +197,23 @@ class CPVllmImpl(AttentionImpl[CPVllmMetadata]):
         self.sliding_window = sliding_window
         vllm_config = get_current_vllm_config()
         self.config = vllm_cp_config(vllm_config, vllm_config.cache_config.block_size)
-        groups = vllm_groups(self.config) if self.config.uses_cp else None
+        extra_kwargs = {}
+        if self.config.uses_cp:
+            extra_kwargs = {"groups": vllm_groups(self.config), "dcp_comm_backend":
+                            vllm_config.parallel_config.dcp_comm_backend or "ag_rs"}
         self.inner = CPAttentionBackend.get_impl_cls(self.config)(
             num_heads, head_size, scale, self.num_kv_heads, sliding_window=sliding_window,
-            attn_type="decoder", kv_cache_dtype=kv_cache_dtype, groups=groups)
+            attn_type="decoder", kv_cache_dtype=kv_cache_dtype, **extra_kwargs)
         if os.environ.get(ENV_FAULT) == "skip_dcp_combine" and self.config.dcp_size > 1:
             _inject_skip_dcp_combine(self.inner)
-        if self.dcp_world_size != self.config.dcp_size:
-            raise RuntimeError(f"vLLM DCP world {self.dcp_world_size} != config "
-                               f"{self.config.dcp_size}")
-        log.info("cp_attention impl active: %s, heads %d/%d (q/kv on this rank), dcp rank %d/%d",
-                 type(self.inner).__name__, num_heads, self.num_kv_heads, self.dcp_rank,
-                 self.dcp_world_size)
+        vllm_dcp = vllm_config.parallel_config.decode_context_parallel_size
+        if self.dcp_world_size != vllm_dcp:
+            raise RuntimeError(f"vLLM DCP world {self.dcp_world_size} != config {vllm_dcp}")
+        log.info("cp_attention impl active: %s, heads %d/%d (q/kv on this rank), dcp rank %d/%d, "
+                 "pcp rank %d/%d, kv_shard %s, dcp_comm_backend %s", type(self.inner).__name__,
+                 num_heads, self.num_kv_heads, self.dcp_rank, self.dcp_world_size,
+                 self.pcp_rank, self.pcp_world_size, self.config.kv_shard,
+                 getattr(self.inner, "dcp_comm_backend", "-"))
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: CPVllmMetadata | None,

@@ -1,0 +1,161 @@
+"""PCP model runner: vLLM's CPU runner with the model run on this PCP rank's rows only.
+
+vLLM's V1 runner keeps building the *global* batch (inputs, positions, our metadata through
+the backend's builder). :meth:`PCPCPUModelRunner._model_forward` (documented as overridable,
+``vllm/v1/worker/gpu_model_runner.py:3620``) runs the model on this rank's rows
+(``AttentionMetadata.local_token_idx`` / ``positions``: decodes, then each prefill's head and
+tail chunks, pads included), then restores the hidden states vLLM reads next:
+``execute_model`` takes ``hidden_states[logits_indices]`` (``:4241``), i.e. the last new token
+of each request, and, for requests with prompt logprobs, ``hidden_states[:num_tokens]``
+(``:3589``). Only those rows are gathered: one all-gather over the PCP group of
+``[wanted rows, hidden + 1]`` (hidden row, or zeros, and a "held here" flag); each wanted row is
+taken from the first rank that holds it. Every other row of the returned tensor is zero.
+
+Private vLLM names relied on (vLLM 0.32.0): ``GPUModelRunner._model_forward`` (override),
+``GPUModelRunner.num_prompt_logprobs`` (runner dict, ``gpu_model_runner.py:686``),
+``CPUModelRunner`` (``vllm/v1/worker/cpu_model_runner.py:23``), ``get_forward_context()``
+(``vllm/forward_context.py``), ``get_pcp_group().cpu_group``.
+
+Debug switch ``CP_ATTENTION_VLLM_CHECK_TOKENS=1``: after every step all PCP ranks compare the
+tokens they sampled (all-gather of Python objects over the PCP group) and raise
+:class:`PCPTokenMismatch` naming the step and ranks if they differ.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from vllm.distributed.parallel_state import get_pcp_group
+from vllm.forward_context import get_forward_context
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+from cp_attention.comm import Communicator
+from cp_attention.integrations.vllm import LOGGER_NAME
+from cp_attention.integrations.vllm.adapter import (local_input_rows, pack_held_rows,
+                                                    pick_held_rows, rows_holding)
+from cp_attention.integrations.vllm.backend import ENV_FAULT, CPVllmMetadata
+
+log = logging.getLogger(LOGGER_NAME)
+ENV_CHECK_TOKENS = "CP_ATTENTION_VLLM_CHECK_TOKENS"
+FAULT_SKIP_RESTORE = "skip_hidden_restore"  # negative control: no hidden states restored
+FAULT_PERTURB_TOKENS = "perturb_tokens"  # PCP rank 1 reports a different token to the check
+
+
+class PCPTokenMismatch(RuntimeError):
+    """PCP ranks sampled different tokens in one step."""
+
+
+@dataclass
+class RestoreStats:
+    """Bytes this rank sent to restore hidden states (ring all-gather accounting)."""
+
+    steps: int = 0
+    bytes_sent: int = 0  # the wanted rows (what this runner gathers)
+    bytes_all_rows: int = 0  # what gathering every local row would have sent
+
+
+def _our_metadata(attn_metadata) -> CPVllmMetadata | None:
+    """The cp_attention metadata of this step (any layer: rows do not depend on the layer)."""
+    if isinstance(attn_metadata, dict):
+        for meta in attn_metadata.values():
+            if isinstance(meta, CPVllmMetadata):
+                return meta
+    return None
+
+
+class PCPCPUModelRunner(CPUModelRunner):
+    """CPU model runner for ``--prefill-context-parallel-size > 1`` with cp_attention."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.pcp_group = get_pcp_group()
+        self.pcp_comm = Communicator()
+        self.restore_stats = RestoreStats()
+        self.check_tokens = os.environ.get(ENV_CHECK_TOKENS, "0") == "1"
+        self.fault = os.environ.get(ENV_FAULT, "")
+        self.sample_step = 0
+        log.info("cp_attention PCP model runner: pcp rank %d/%d, token check %s",
+                 self.pcp_group.rank_in_group, self.pcp_group.world_size,
+                 "on" if self.check_tokens else "off")
+        if self.fault in (FAULT_SKIP_RESTORE, FAULT_PERTURB_TOKENS):
+            log.warning("%s=%s: %s (test only)", ENV_FAULT, self.fault,
+                        "hidden states are NOT restored over PCP (wrong results)"
+                        if self.fault == FAULT_SKIP_RESTORE else
+                        "PCP rank 1 reports a wrong token to the token check")
+
+    def _model_forward(self, input_ids: torch.Tensor | None = None,
+                       positions: torch.Tensor | None = None, intermediate_tensors=None,
+                       inputs_embeds: torch.Tensor | None = None, **model_kwargs):
+        """Run the model on this rank's rows; return [num_rows, hidden] with the rows vLLM
+        reads restored over the PCP group (input_ids [T] / inputs_embeds [T, E], positions [T])."""
+        meta = _our_metadata(get_forward_context().attn_metadata)
+        if meta is None:  # no attention metadata (profiling / dummy runs): all rows everywhere
+            return super()._model_forward(input_ids, positions, intermediate_tensors,
+                                          inputs_embeds, **model_kwargs)
+        token_idx, local_positions = local_input_rows(meta.inner)
+        hidden = super()._model_forward(
+            input_ids[token_idx] if input_ids is not None else None,
+            local_positions.to(positions.device, positions.dtype),
+            intermediate_tensors,
+            inputs_embeds[token_idx] if inputs_embeds is not None else None,
+            **model_kwargs)
+        num_rows = (input_ids if input_ids is not None else inputs_embeds).shape[0]
+        return self._restore_hidden(hidden, meta, num_rows)
+
+    def _restore_hidden(self, hidden: torch.Tensor, meta: CPVllmMetadata,
+                        num_rows: int) -> torch.Tensor:
+        """hidden [local rows, H] -> [num_rows, H] in vLLM's token order (wanted rows only)."""
+        if self.num_prompt_logprobs:  # prompt logprobs read every token's hidden state
+            wanted = torch.arange(meta.num_vllm_tokens)
+        else:
+            wanted = meta.last_token_idx
+        held = rows_holding(meta.inner, wanted)
+        out = hidden.new_zeros((num_rows, hidden.shape[-1]))
+        if self.fault == FAULT_SKIP_RESTORE:  # negative control: keep only this rank's rows
+            mine = held >= 0
+            out[wanted[mine]] = hidden[held[mine]]
+            return out
+        world = self.pcp_group.world_size
+        packed = pack_held_rows(hidden, held)
+        before = self.pcp_comm.total_bytes
+        gathered = self.pcp_comm.all_gather(packed, self.pcp_group.cpu_group)
+        out[wanted] = pick_held_rows(gathered.view(world, *packed.shape), wanted)
+        stats = self.restore_stats
+        stats.steps += 1
+        stats.bytes_sent += self.pcp_comm.total_bytes - before
+        stats.bytes_all_rows += (world - 1) * hidden.shape[0] * hidden.shape[1] * hidden.element_size()
+        if meta.inner.pcp is not None and meta.inner.pcp.num_local_rows:
+            log.info("cp_attention hidden restore: step %d, %d wanted rows of %d tokens, "
+                     "%d bytes sent (all %d local rows: %d); totals %d vs %d bytes over %d steps",
+                     stats.steps, wanted.numel(), meta.num_vllm_tokens,
+                     self.pcp_comm.total_bytes - before, hidden.shape[0],
+                     (world - 1) * hidden.shape[0] * hidden.shape[1] * hidden.element_size(),
+                     stats.bytes_sent, stats.bytes_all_rows, stats.steps)
+        return out
+
+    def sample_tokens(self, grammar_output):
+        output = super().sample_tokens(grammar_output)
+        if self.check_tokens:
+            self._check_same_tokens(output)
+        self.sample_step += 1
+        return output
+
+    def _check_same_tokens(self, output) -> None:
+        """Raise :class:`PCPTokenMismatch` unless every PCP rank sampled the same tokens."""
+        sampled = getattr(output, "sampled_token_ids", None)
+        if sampled is None:
+            return
+        tokens = [[int(t) for t in req] for req in sampled]
+        rank = self.pcp_group.rank_in_group
+        if self.fault == FAULT_PERTURB_TOKENS and rank == 1 and tokens and tokens[0]:
+            tokens[0][0] += 1
+        everyone: list = [None] * self.pcp_group.world_size
+        dist.all_gather_object(everyone, tokens, group=self.pcp_group.cpu_group)
+        for other, theirs in enumerate(everyone):
+            if theirs != everyone[0]:
+                raise PCPTokenMismatch(
+                    f"step {self.sample_step}: PCP ranks 0 and {other} sampled different tokens "
+                    f"({everyone[0]} vs {theirs}); {ENV_CHECK_TOKENS}=1")

@@ -1,0 +1,100 @@
+"""Shared e2e plumbing: run ``run_llm.py`` in a fresh subprocess per configuration, keep the
+parsed result and log, and compare runs (tokens, logprobs, greedy margins)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from run_llm import RESULT_PREFIX  # sibling module (tests/vllm_e2e is on sys.path)
+
+RUNNER = Path(__file__).with_name("run_llm.py")
+RUN_TIMEOUT_S = 900  # a loaded 2-core box; quiet machine: < 60 s per run
+CP = {"CP_ATTENTION_VLLM": "1"}
+MULTI_WORKER = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One configuration: environment, extra CLI args, model key; ``fails``: expected rc != 0."""
+
+    env: dict = field(default_factory=dict)
+    args: tuple = ()
+    model: str = "default"
+    fails: bool = False
+
+
+class Runs:
+    """Runs each configuration once (lazily) and keeps its parsed result and log."""
+
+    def __init__(self, models: dict[str, Path], workdir: Path, specs: dict[str, RunSpec],
+                 common_args: list[str]) -> None:
+        self.models, self.workdir, self.specs = models, workdir, specs
+        self.common_args = common_args
+        self.results: dict[str, dict] = {}
+        self.logs: dict[str, str] = {}
+        self.returncodes: dict[str, int] = {}
+
+    def get(self, name: str) -> dict:
+        if name not in self.logs:
+            self._run(name)
+        return self.results[name]
+
+    def log(self, name: str) -> str:
+        if name not in self.logs:
+            self._run(name)
+        return self.logs[name]
+
+    def _run(self, name: str) -> None:
+        spec = self.specs[name]
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("CP_ATTENTION_VLLM", "VLLM_"))}
+        # EngineCore in process: every request is queued before the first step, so the
+        # schedule (and the batch orders tested) is deterministic.
+        env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+                    "VLLM_LOGGING_LEVEL": "INFO", "PYTHONUNBUFFERED": "1"}, **spec.env)
+        cmd = [sys.executable, str(RUNNER), str(self.models[spec.model]), *self.common_args,
+               *spec.args]
+        start = time.time()
+        proc = subprocess.run(cmd, env=env, cwd=self.workdir, capture_output=True, text=True,
+                              timeout=RUN_TIMEOUT_S)
+        log = proc.stdout + proc.stderr
+        (self.workdir / f"{name}.log").write_text(log)
+        self.logs[name], self.returncodes[name] = log, proc.returncode
+        if spec.fails:
+            assert proc.returncode != 0, f"{name} was expected to fail but exited 0"
+            self.results[name] = {}
+            return
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
+        assert proc.returncode == 0 and lines, (
+            f"{name} failed (rc {proc.returncode}); log tail:\n{log[-4000:]}")
+        result = json.loads(lines[-1][len(RESULT_PREFIX):])
+        result["wall_s"] = round(time.time() - start, 1)
+        print(f"\n[vllm e2e] {name}: wall {result['wall_s']} s (init {result['init_s']} s, "
+              f"generate {result['generate_s']} s)")
+        self.results[name] = result
+
+
+def tokens(result: dict) -> list[list[int]]:
+    return [r["token_ids"] for r in result["requests"]]
+
+
+def max_logprob_diff(a: dict, b: dict) -> float:
+    """Largest |logprob| difference over the returned top-k tokens of every step."""
+    worst = 0.0
+    for ra, rb in zip(a["requests"], b["requests"], strict=True):
+        for sa, sb in zip(ra["steps"], rb["steps"], strict=True):
+            top_b = dict((t, lp) for t, lp in sb["top"])
+            for token, lp in sa["top"]:
+                assert token in top_b, f"top-k token sets differ: {sa['top']} vs {sb['top']}"
+                worst = max(worst, abs(lp - top_b[token]))
+    return worst
+
+
+def greedy_margins(result: dict) -> list[float]:
+    """Top-1 minus top-2 logprob of every generated step."""
+    return [s["top"][0][1] - s["top"][1][1] for r in result["requests"] for s in r["steps"]]
