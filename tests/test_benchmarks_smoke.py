@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from benchmarks import (bench_comm, bench_cost_model, bench_load_balance, bench_metadata,
+from benchmarks import (bench_comm, bench_cost_model, bench_cpu_ops, bench_load_balance, bench_metadata,
                         bench_op_overhead, bench_speed)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -93,3 +93,12 @@ def test_op_overhead(out):
     for r in data["rows"]:
         assert r["max_abs_diff"] < 1e-5  # same kernel underneath: same numbers
         assert 0.1 < r["overhead_ratio"] < 10 and math.isfinite(r["overhead_ratio"])
+
+
+def test_cpu_ops(out):
+    bench_cpu_ops.run(out, quick=True)
+    data = _load(out, "bench_cpu_ops")
+    assert data["memory_read_bandwidth_gbs"] > 0 and len(data["rows"]) == 3
+    for r in data["rows"]:
+        assert r["ours_ms"] > 0 and r["sdpa_ms"] > 0
+        assert max(r["max_abs_diff_vs_ours"].values()) < 5e-2  # same data, same attention
