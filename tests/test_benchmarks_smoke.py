@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from benchmarks import (bench_comm, bench_cost_model, bench_cpu_ops, bench_load_balance, bench_metadata,
-                        bench_op_overhead, bench_speed)
+from benchmarks import (bench_comm, bench_cost_model, bench_cpu_ops, bench_load_balance,
+                        bench_metadata, bench_op_overhead, bench_speed)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
