@@ -7,8 +7,8 @@ import math
 import pytest
 from matplotlib.colors import to_rgba
 
-from benchmarks import (bench_comm, bench_cost_model, bench_forward_checks, bench_load_balance,
-                        bench_metadata, bench_op_overhead, bench_speed)
+from benchmarks import (bench_comm, bench_cost_model, bench_cpu_ops, bench_forward_checks,
+                        bench_load_balance, bench_metadata, bench_op_overhead, bench_speed)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -127,3 +127,11 @@ def test_speed_plot_uses_one_colour_per_series(tmp_path):
     for label, color in line_colors.items():
         assert bar_colors[label] == color, label
     assert len(set(bar_colors.values())) == 3
+
+def test_cpu_ops(out):
+    bench_cpu_ops.run(out, quick=True)
+    data = _load(out, "bench_cpu_ops")
+    assert data["memory_read_bandwidth_gbs"] > 0 and len(data["rows"]) == 3
+    for r in data["rows"]:
+        assert r["ours_ms"] > 0 and r["sdpa_ms"] > 0
+        assert max(r["max_abs_diff_vs_ours"].values()) < 5e-2  # same data, same attention

@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import os
 import platform
+import sys
 import warnings
 from pathlib import Path
 from types import ModuleType
 
-from torch.utils.cpp_extension import load
+import torch
+from torch.utils.cpp_extension import _get_build_directory, load
 
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
 FORCE_ENV = "CP_ATTENTION_OPS"
@@ -43,13 +46,15 @@ def _cpu_signature() -> str:
 
 
 def extension_name(sources: list[Path]) -> str:
-    """Module name unique to the sources' contents, the flags and the CPU."""
+    """Module name unique to the sources' contents, the flags, the CPU and the interpreter
+    (each venv gets its own build: their ninja files differ, so a shared one would thrash)."""
     digest = hashlib.sha256()
     for path in sources:
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
     digest.update(" ".join(_CFLAGS + _LDFLAGS).encode())
     digest.update(_cpu_signature().encode())
+    digest.update(f"{sys.prefix}|{torch.__version__}|{torch.__file__}".encode())
     return f"cp_attention_cpu_{digest.hexdigest()[:16]}"
 
 
@@ -60,8 +65,12 @@ def load_cpu_extension() -> ModuleType | None:
         return None
     sources = sorted(CSRC_DIR.glob("*.cpp"))
     headers = sorted(CSRC_DIR.glob("*.h"))
+    name = extension_name(sources + headers)
+    built = _load_built(name)
+    if built is not None:
+        return built
     try:
-        return load(name=extension_name(sources + headers), sources=[str(p) for p in sources],
+        return load(name=name, sources=[str(p) for p in sources],
                     extra_include_paths=[str(CSRC_DIR)], extra_cflags=_CFLAGS,
                     extra_ldflags=_LDFLAGS, verbose=False)
     except Exception as exc:  # no compiler, no ninja, a compile error: fall back, loudly once
@@ -69,6 +78,21 @@ def load_cpu_extension() -> ModuleType | None:
                       f"({_first_error(exc)}); using the slower pure-torch ReferenceOps. "
                       f"Set {FORCE_ENV}=reference to skip the build.", RuntimeWarning,
                       stacklevel=2)
+        return None
+
+
+def _load_built(name: str) -> ModuleType | None:
+    """The module if this exact build exists already: imported without cpp_extension's build
+    lock and ninja run (fast start, and no wait on a lock left by a killed process)."""
+    path = Path(_get_build_directory(name, verbose=False)) / f"{name}.so"
+    if not path.is_file():
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    except Exception:  # e.g. an interrupted link: rebuild through cpp_extension
         return None
 
 

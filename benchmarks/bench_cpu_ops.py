@@ -1,0 +1,240 @@
+"""CPU attention ops side by side: ours (get_ops("cpu")), vLLM's CPU_ATTN kernel, SDPA.
+
+Issue 12's table: paged decode (block 128, cache read in place) and causal prefill, same data
+for every implementation, 1 thread by default, interleaved repeats (min reported). Also
+measures the machine's memory read bandwidth (sum over a large tensor, same thread count) and
+states the decode rows' achieved GB/s of K/V read. vLLM runs where it is installed
+(``/work/venv-vllm``); elsewhere the table has ours and SDPA only.
+
+    PYTHONPATH=$PWD /work/venv-vllm/bin/python -m benchmarks.bench_cpu_ops --out results/
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import new_figure, parse_args, save_figure, write_json
+from cp_attention.ops import get_ops
+
+try:  # optional: the vLLM venv
+    from vllm import _custom_ops as vllm_ops
+except Exception:  # noqa: BLE001 - any import failure means "no vLLM here"
+    vllm_ops = None
+
+NAME = "bench_cpu_ops"
+BLOCK_SIZE = 128
+
+
+@dataclass(frozen=True)
+class Case:
+    label: str
+    kind: str  # "decode" or "prefill"
+    batch: int
+    context: int  # cached tokens per request (decode) or prompt length (prefill)
+    q_heads: int
+    kv_heads: int
+    head_size: int
+    dtype: str
+
+
+CASES = [
+    Case("decode B=4, ctx 8k, 8/1, D=64, fp32", "decode", 4, 8192, 8, 1, 64, "float32"),
+    Case("decode B=4, ctx 64k, 8/1, D=64, fp32", "decode", 4, 65536, 8, 1, 64, "float32"),
+    Case("decode B=4, ctx 32k, 32/8, D=128, bf16", "decode", 4, 32768, 32, 8, 128, "bfloat16"),
+    Case("decode B=64, ctx 4k, 8/1, D=64, fp32", "decode", 64, 4096, 8, 1, 64, "float32"),
+    Case("causal prefill 8k, 8/8, D=64, fp32", "prefill", 1, 8192, 8, 8, 64, "float32"),
+    Case("causal prefill 8k, 32/8, D=128, bf16", "prefill", 1, 8192, 32, 8, 128, "bfloat16"),
+]
+QUICK_CASES = [
+    Case("decode B=2, ctx 1k, 8/1, D=64, fp32", "decode", 2, 1024, 8, 1, 64, "float32"),
+    Case("decode B=2, ctx 512, 8/2, D=128, bf16", "decode", 2, 512, 8, 2, 128, "bfloat16"),
+    Case("causal prefill 256, 4/2, D=64, fp32", "prefill", 1, 256, 4, 2, 64, "float32"),
+]
+
+
+def memory_bandwidth_gbs(megabytes: int = 1024, repeats: int = 5) -> float:
+    """Read bandwidth: bytes of a large float32 tensor / best time of ``sum()``."""
+    x = torch.ones(megabytes * (1 << 20) // 4)
+    x.sum()
+    best = min(_timed(x.sum) for _ in range(repeats))
+    return x.numel() * 4 / best / 1e9
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+class Problem:
+    """One case's data: contiguous K/V per request, our paged cache, vLLM's packed cache."""
+
+    def __init__(self, case: Case, with_vllm: bool, seed: int = 0):
+        gen = torch.Generator().manual_seed(seed)
+        dtype = getattr(torch, case.dtype)
+        b, n, hkv, d = case.batch, case.context, case.kv_heads, case.head_size
+        self.case, self.scale = case, 1.0 / math.sqrt(d)
+        self.q_len = 1 if case.kind == "decode" else n
+        self.q = torch.randn(b * self.q_len, case.q_heads, d, generator=gen).to(dtype)
+        self.k = torch.randn(b * n, hkv, d, generator=gen).to(dtype)
+        self.v = torch.randn(b * n, hkv, d, generator=gen).to(dtype)
+        blocks_per_req = -(-n // BLOCK_SIZE)
+        num_blocks = b * blocks_per_req
+        self.block_table = torch.randperm(num_blocks, generator=gen).view(b, blocks_per_req)
+        self.block_table = self.block_table.to(torch.int32)
+        pos = torch.arange(n)
+        slots = (self.block_table.long()[:, pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
+        self.slots = slots.flatten()
+        self.cu_q = torch.arange(b + 1, dtype=torch.int32) * self.q_len
+        self.seq_lens = torch.full((b,), n, dtype=torch.int32)
+        self.cu_k = torch.arange(b + 1, dtype=torch.int32) * n
+        self.ops = get_ops("cpu")
+        # Our backend's layout: [blocks, Hkv, block_size, 2 * D] viewed as two strided caches.
+        self.packed = torch.empty(num_blocks, hkv, BLOCK_SIZE, 2 * d, dtype=dtype)
+        kv = self.packed.unflatten(-1, (2, d)).permute(3, 0, 2, 1, 4)
+        self.key_cache, self.value_cache = kv[0], kv[1]
+        self.ops.reshape_and_cache(self.k, self.v, self.key_cache, self.value_cache, self.slots)
+        self.vllm = self._vllm_cache(num_blocks, dtype) if with_vllm else None
+
+    def _vllm_cache(self, num_blocks: int, dtype: torch.dtype) -> dict:
+        c = self.case
+        isa = "vec" if c.head_size % 32 == 0 else "vec16"
+        cache = torch.zeros(num_blocks, c.kv_heads, BLOCK_SIZE, 2 * c.head_size, dtype=dtype)
+        key_cache, value_cache = cache.view(num_blocks, c.kv_heads, 2 * BLOCK_SIZE,
+                                            c.head_size).chunk(2, dim=2)
+        vllm_ops.cpu_attn_reshape_and_cache(self.k, self.v, key_cache, value_cache,
+                                            self.slots, isa)
+        causal = c.kind == "prefill"
+        meta = vllm_ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=c.batch, num_heads=c.q_heads, num_kv_heads=c.kv_heads,
+            head_dim=c.head_size, seq_lens=self.seq_lens, dtype=dtype,
+            query_start_loc=self.cu_q, causal=causal, sliding_window_size=-1, isa=isa,
+            enable_kv_split=True)
+        return {"cache": cache, "key_cache": key_cache, "value_cache": value_cache,
+                "meta": meta, "causal": causal,
+                "out": torch.empty(self.q.shape, dtype=dtype)}
+
+    # -- the implementations ---------------------------------------------------------------
+    def ours(self) -> torch.Tensor:
+        if self.case.kind == "decode":
+            return self.ops.paged_attention(self.q, self.key_cache, self.value_cache,
+                                            self.block_table, self.cu_q, self.seq_lens,
+                                            scale=self.scale)[0]
+        return self.ops.varlen_attention(self.q, self.k, self.v, self.cu_q, self.cu_k,
+                                         scale=self.scale, causal=True)[0]
+
+    def vllm_kernel(self) -> torch.Tensor:
+        m = self.vllm
+        vllm_ops.cpu_attention_with_kv_cache(
+            query=self.q, key_cache=m["key_cache"], value_cache=m["value_cache"],
+            output=m["out"], query_start_loc=self.cu_q, seq_lens=self.seq_lens,
+            scale=self.scale, causal=m["causal"], alibi_slopes=None, sliding_window=-1,
+            block_table=self.block_table, softcap=0.0, scheduler_metadata=m["meta"],
+            s_aux=None)
+        return m["out"]
+
+    def sdpa(self) -> torch.Tensor:
+        """SDPA on contiguous per-request K/V (no paging, no LSE): a lower bound to beat."""
+        c = self.case
+        q = self.q.view(c.batch, self.q_len, c.q_heads, c.head_size).transpose(1, 2)
+        k = self.k.view(c.batch, c.context, c.kv_heads, c.head_size).transpose(1, 2)
+        v = self.v.view(c.batch, c.context, c.kv_heads, c.head_size).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=c.kind == "prefill",
+                                             scale=self.scale, enable_gqa=True)
+        return out.transpose(1, 2).reshape(self.q.shape)
+
+    def kv_bytes(self) -> int:
+        """Bytes of K and V a decode reads once."""
+        return 2 * self.k.numel() * self.k.element_size()
+
+
+def measure(case: Case, repeats: int, with_vllm: bool) -> dict:
+    problem = Problem(case, with_vllm)
+    impls = {"ours": problem.ours, "sdpa": problem.sdpa}
+    if with_vllm:
+        impls["vllm"] = problem.vllm_kernel
+    reference = problem.ours().float()
+    errors = {name: (fn().float() - reference).abs().max().item() for name, fn in impls.items()}
+    samples = {name: [] for name in impls}
+    for _ in range(repeats):  # interleaved so load changes hit every implementation
+        for name, fn in impls.items():
+            samples[name].append(_timed(fn))
+    row = {**asdict(case), "repeats": repeats,
+           **{f"{name}_ms": min(s) * 1e3 for name, s in samples.items()},
+           **{f"{name}_median_ms": sorted(s)[len(s) // 2] * 1e3 for name, s in samples.items()},
+           "max_abs_diff_vs_ours": errors}
+    if with_vllm:
+        row["ours_over_vllm"] = row["ours_ms"] / row["vllm_ms"]
+    row["ours_over_sdpa"] = row["ours_ms"] / row["sdpa_ms"]
+    if case.kind == "decode":
+        for name in impls:
+            row[f"{name}_gbs"] = problem.kv_bytes() / (row[f"{name}_ms"] / 1e3) / 1e9
+    return row
+
+
+def run(out_dir: str | Path, quick: bool = False, threads: int = 1) -> dict:
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    with_vllm = vllm_ops is not None
+    try:
+        bandwidth = memory_bandwidth_gbs(64 if quick else 1024)
+        rows = [measure(c, repeats=(2 if quick else (3 if c.kind == "prefill" else 10)),
+                        with_vllm=with_vllm)
+                for c in (QUICK_CASES if quick else CASES)]
+    finally:
+        torch.set_num_threads(saved)
+    for row in rows:
+        if "ours_gbs" in row:
+            row["ours_fraction_of_bandwidth"] = row["ours_gbs"] / bandwidth
+    payload = {
+        "what": "ms per call (min over interleaved repeats); ours = get_ops('cpu') "
+                "(paged_attention for decode, varlen_attention for prefill), vllm = "
+                "vllm._custom_ops.cpu_attention_with_kv_cache, sdpa = "
+                "F.scaled_dot_product_attention on contiguous K/V",
+        "threads": threads, "block_size": BLOCK_SIZE, "ops": get_ops("cpu").name,
+        "vllm_available": with_vllm, "memory_read_bandwidth_gbs": bandwidth, "rows": rows,
+    }
+    write_json(out_dir, NAME, payload)
+    _plot(payload, out_dir)
+    return payload
+
+
+def _plot(payload: dict, out_dir: str | Path) -> None:
+    rows = payload["rows"]
+    names = [n for n in ("ours", "vllm", "sdpa") if f"{n}_ms" in rows[0]]
+    fig, (ax,) = new_figure(width=11, height=4.8)
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        ax.bar([j + i * width for j in range(len(rows))], [r[f"{name}_ms"] for r in rows],
+               width, label=name, color=f"C{i}")
+    ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(rows))])
+    ax.set_xticklabels([r["label"].replace(", ", "\n", 1) for r in rows], fontsize=7)
+    ax.set_yscale("log")
+    ax.set_ylabel("ms per call (log)")
+    ax.set_title(f"CPU attention ops, {payload['threads']} thread(s), paged block "
+                 f"{payload['block_size']}; memory read bandwidth "
+                 f"{payload['memory_read_bandwidth_gbs']:.1f} GB/s")
+    ax.legend()
+    ax.grid(alpha=0.3, axis="y")
+    save_figure(fig, out_dir, NAME)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(__doc__, argv)
+    payload = run(args.out, args.quick)
+    print(f"memory read bandwidth: {payload['memory_read_bandwidth_gbs']:.1f} GB/s "
+          f"({payload['threads']} thread)")
+    for r in payload["rows"]:
+        parts = [f"{n} {r[f'{n}_ms']:.2f} ms" for n in ("ours", "vllm", "sdpa") if f"{n}_ms" in r]
+        ratio = f" ours/vllm {r['ours_over_vllm']:.2f}" if "ours_over_vllm" in r else ""
+        gbs = f" ({r['ours_gbs']:.1f} GB/s)" if "ours_gbs" in r else ""
+        print(f"{r['label']}: " + ", ".join(parts) + ratio + gbs)
+
+
+if __name__ == "__main__":
+    main()
