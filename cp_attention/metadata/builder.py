@@ -100,9 +100,10 @@ class RowLayout:
         return int(self.length.sum())
 
     def __add__(self, other: RowLayout) -> RowLayout:
-        return RowLayout(*(np.concatenate([a, b]) for a, b in
-                           ((self.req, other.req), (self.start, other.start),
-                            (self.length, other.length), (self.real, other.real))))
+        return RowLayout(np.concatenate([self.req, other.req]),
+                         np.concatenate([self.start, other.start]),
+                         np.concatenate([self.length, other.length]),
+                         np.concatenate([self.real, other.real]))
 
     def ranges(self, first: np.ndarray) -> np.ndarray:
         """[rows] ``first[k] + j`` for row j of segment k (first: [S])."""
@@ -110,7 +111,7 @@ class RowLayout:
 
     def pad_rows(self) -> np.ndarray | None:
         """[rows] bool, True on pads; None when every row is real."""
-        if np.array_equal(self.real, self.length):
+        if (self.real == self.length).all():
             return None
         return self.ranges(-self.real) >= 0
 
@@ -160,7 +161,7 @@ def token_rows(rows: RowLayout, step: StepSpec, num_input: int) -> tuple[np.ndar
     """[num_input] (global token index, RoPE position) of each row; -1 / 0 on pads and on the
     ``num_input - rows.num_rows`` trailing graph-padding rows."""
     tokens = rows.ranges(step.cu_new_tokens[rows.req] + rows.start)
-    positions = rows.ranges(step.computed[rows.req] + rows.start)
+    positions = tokens + (step.computed - step.cu_new_tokens[:-1])[rows.req].repeat(rows.length)
     pads = rows.pad_rows()
     if pads is not None:
         tokens[pads] = -1
@@ -172,12 +173,13 @@ def token_rows(rows: RowLayout, step: StepSpec, num_input: int) -> tuple[np.ndar
     return tokens, positions
 
 
-def step_slot_mapping(rows: RowLayout, step: StepSpec, block_table: np.ndarray,
-                      config: CPConfig, kv_rank: int) -> np.ndarray:
-    """[step rows] cache slot of each step row on KV shard ``kv_rank``, -1 elsewhere."""
-    first_row = cumsum0(rows.length)[:-1]
-    return segment_slots(rows.req, first_row, step.computed[rows.req] + rows.start, rows.real,
-                         rows.num_rows, block_table, config.block_size, config.kv_world,
+def step_slot_mapping(rows: RowLayout, cu_rows: np.ndarray, step: StepSpec,
+                      block_table: np.ndarray, config: CPConfig, kv_rank: int) -> np.ndarray:
+    """[step rows] cache slot of each step row on KV shard ``kv_rank``, -1 elsewhere.
+
+    cu_rows: [S + 1] ``cumsum0(rows.length)`` (one segment per request for step rows)."""
+    return segment_slots(rows.req, cu_rows[:-1], step.computed[rows.req] + rows.start, rows.real,
+                         int(cu_rows[-1]), block_table, config.block_size, config.kv_world,
                          kv_rank, config.cp_kv_interleave_size)
 
 
@@ -188,23 +190,24 @@ class ContextPlan:
     over_pcp: bool  # context rows are the step rows (queries gathered over PCP)
     rows: RowLayout  # the context rows
     order: np.ndarray  # [R] batch index of each request in context order
-    rows_per_req: np.ndarray  # [R] context rows of each request
+    cu_rows: np.ndarray  # [R + 1] context rows before each request
     seq_lens: np.ndarray  # [R] cached tokens of each request held by this rank
     per_rank: np.ndarray  # [R, pcp, dcp] cached tokens held by every rank, batch order
 
 
 def plan_context(step: StepSpec, config: CPConfig, ranks: CPRanks, shard_grid: np.ndarray,
-                 decode_rows: RowLayout, prefill: PrefillPlan) -> ContextPlan:
-    """Which rows query the cached context, and how much of it each rank holds."""
-    over_pcp = prefill.split is not None and config.kv_shard == "cp"
-    rows = decode_rows + (prefill.step if over_pcp else prefill.local)
-    rows_per_req = np.concatenate([decode_rows.length, prefill.step_rows_per_req if over_pcp
-                                   else prefill.local_rows_per_req])
-    order = np.concatenate([decode_rows.req, prefill.reqs])
+                 order: np.ndarray, local: tuple[RowLayout, np.ndarray],
+                 step_rows: tuple[RowLayout, np.ndarray], split: PCPSplit | None) -> ContextPlan:
+    """Which rows query the cached context, and how much of it each rank holds.
+
+    order: [R] batch index of each request in context order (decodes, then prefills);
+    local / step_rows: (layout, cu rows per request [R + 1]) of the local and step rows."""
+    over_pcp = split is not None and config.kv_shard == "cp"
+    rows, cu_rows = step_rows if over_pcp else local
     per_rank = local_count(step.computed[:, None, None], shard_grid[None], config.kv_world,
                            config.cp_kv_interleave_size)
     seq_lens = per_rank[order, ranks.pcp_rank, ranks.dcp_rank]
-    return ContextPlan(over_pcp, rows, order, rows_per_req, seq_lens, per_rank)
+    return ContextPlan(over_pcp, rows, order, cu_rows, seq_lens, per_rank)
 
 
 def window_ranges(rows: RowLayout, step: StepSpec, window: int, config: CPConfig, kv_rank: int
@@ -280,43 +283,48 @@ class MetadataBuilder:
             validate_step(step, cfg, self.num_blocks)
 
         is_decode = decode_mask(step, cfg.decode_threshold)
-        decodes, prefills = np.flatnonzero(is_decode), np.flatnonzero(~is_decode)
+        decodes, prefills = is_decode.nonzero()[0], (~is_decode).nonzero()[0]
         dec_lens, new_lens = step.scheduled[decodes], step.scheduled[prefills]
         dec_rows = whole_requests(decodes, dec_lens, dec_lens)
         pre = plan_prefills(prefills, new_lens, cfg.pcp_size, self.ranks.pcp_rank,
                            self.sliding_window is not None)
         local_rows, step_rows = dec_rows + pre.local, dec_rows + pre.step
-        num_actual = local_rows.num_rows
+        # [R + 1] rows before each request (decodes, then prefills), local and step rows
+        cu_local = cumsum0(np.concatenate([dec_lens, pre.local_rows_per_req]))
+        cu_step = cu_local if pre.split is None else cumsum0(step_rows.length)
+        num_dec, num_dec_rows, num_actual = len(decodes), int(cu_local[len(decodes)]), int(cu_local[-1])
         num_input = num_actual if num_input_tokens is None else num_input_tokens
         if num_input < num_actual:
             raise ValueError(f"num_input_tokens ({num_input}) is smaller than the {num_actual} "
                              f"rows this rank computes")
         tokens, positions = token_rows(local_rows, step, num_input)
-        slots = step_slot_mapping(step_rows, step, table, cfg, self.kv_rank)
-        ctx = plan_context(step, cfg, self.ranks, self._shard_grid, dec_rows, pre)
+        slots = step_slot_mapping(step_rows, cu_step, step, table, cfg, self.kv_rank)
+        order = np.concatenate([decodes, prefills])
+        ctx = plan_context(step, cfg, self.ranks, self._shard_grid, order,
+                           (local_rows, cu_local), (step_rows, cu_step), pre.split)
         kv_start = kv_end = None
         if self.sliding_window is not None:
             kv_start, kv_end = map(_t, window_ranges(ctx.rows, step, self.sliding_window, cfg,
                                                      self.kv_rank))
-        decodes_first = not (~is_decode[:-1] & is_decode[1:]).any()
+        decodes_first = num_dec == 0 or decodes[-1] == num_dec - 1
 
         return AttentionMetadata(
             state=classify_state(step, is_decode),
             decode_reqs=decodes,
             prefill_reqs=prefills,
-            num_decode_tokens=dec_rows.num_rows,
+            num_decode_tokens=num_dec_rows,
             num_actual_tokens=num_actual,
             num_input_tokens=num_input,
             local_token_idx=_t(tokens),
             positions=_t(positions),
-            decode_cu_seqlens=_t(cumsum0(dec_lens)),
-            prefill_cu_seqlens=_t(cumsum0(pre.local_rows_per_req)),
+            decode_cu_seqlens=_t(cu_local[:num_dec + 1]),
+            prefill_cu_seqlens=_t(cu_local[num_dec:] - num_dec_rows),
             pcp=pre.split,
             prefill_real_cu_seqlens=_t(cumsum0(new_lens)),
             step_slot_mapping=_t(slots),
             has_context=bool(step.computed.any()),
             ctx_over_pcp=ctx.over_pcp,
-            ctx_cu_seqlens=_t(cumsum0(ctx.rows_per_req)),
+            ctx_cu_seqlens=_t(ctx.cu_rows),
             ctx_block_table=(block_table if decodes_first
                              else block_table.index_select(0, _t(ctx.order))),
             ctx_seq_lens=_t(ctx.seq_lens),
@@ -332,14 +340,13 @@ class MetadataBuilder:
         cfg = self.config
         needed = blocks_needed(seq_lens, cfg.block_size, cfg.kv_world)
         have = block_table.shape[1]
-        short = np.flatnonzero(needed > have)
-        if len(short):
-            r = int(short[0])
+        if len(needed) and needed.max() > have:
+            r = int((needed > have).argmax())
             raise ValueError(f"block_table has {have} blocks per request but request {r} needs "
                              f"{int(needed[r])} for {int(seq_lens[r])} tokens "
                              f"(block_size {cfg.block_size} x {cfg.kv_world} KV shards)")
-        low, high = (int(block_table.min()), int(block_table.max())) if block_table.size else (0, 0)
-        if low >= 0 and (self.num_blocks is None or high < self.num_blocks):
+        if not block_table.size or (block_table.min() >= 0 and (
+                self.num_blocks is None or block_table.max() < self.num_blocks)):
             return  # the common case, checked without building the mask below
         used = block_table[np.arange(have)[None, :] < needed[:, None]]
         if (used < 0).any():

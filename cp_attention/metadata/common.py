@@ -125,24 +125,30 @@ def classify_state(spec: StepSpec, is_decode: np.ndarray) -> AttentionState:
 def cumsum0(lengths: np.ndarray) -> np.ndarray:
     """[n] lengths -> [n + 1] int64 offsets starting at 0."""
     out = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=out[1:])
+    lengths.cumsum(out=out[1:])
     return out
+
+
+_LARGE_OUTPUT = 1 << 16  # rows from which avoiding an output-sized temporary pays
 
 
 def ranges_concat(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """[sum(lengths)] int64: the concatenation of ``arange(s, s + n)`` for each (s, n).
 
-    starts, lengths: [n] int64 arrays (lengths >= 0). One output-sized temporary at most:
-    segments of equal length are shifted in place (no temporary; this also keeps large
-    outputs from doubling the memory the allocator has to fault in).
+    starts, lengths: [n] int64 arrays (lengths >= 0). Written with as few numpy calls as
+    possible (each costs microseconds; the planner makes several per step): one output-sized
+    ``arange`` shifted in place by each segment's ``start - offset``. Large outputs made of
+    equal segments are shifted without an output-sized temporary (fresh memory is faulted in
+    page by page, which dominates the cost of a 128k-row index).
     """
     if len(lengths) == 1:
         return np.arange(starts[0], starts[0] + lengths[0], dtype=np.int64)
-    ends = np.cumsum(lengths)
-    out = np.arange(ends[-1] if len(ends) else 0, dtype=np.int64)
-    shift = starts - (ends - lengths)
-    if len(out) and (lengths == lengths[0]).all():
+    ends = lengths.cumsum()
+    total = int(ends[-1]) if len(ends) else 0
+    out = np.arange(total, dtype=np.int64)
+    shift = starts + lengths - ends
+    if total >= _LARGE_OUTPUT and (lengths == lengths[0]).all():
         out.reshape(len(lengths), -1)[...] += shift[:, None]
     else:
-        out += np.repeat(shift, lengths)
+        out += shift.repeat(lengths)
     return out

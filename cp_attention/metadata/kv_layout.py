@@ -25,11 +25,14 @@ def local_position(positions: np.ndarray, world: int, interleave: int) -> np.nda
 
 def local_count(lengths: np.ndarray, shard: int | np.ndarray, world: int, interleave: int
                 ) -> np.ndarray:
-    """Tokens among positions ``[0, L)`` owned by ``shard``, for each length L (vectorized)."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    base = (lengths // (interleave * world)) * interleave
-    rem = lengths - base * world - np.asarray(shard) * interleave
-    return base + np.minimum(np.maximum(rem, 0), interleave)
+    """Tokens among positions ``[0, L)`` owned by ``shard``, for each length L (vectorized).
+
+    With ``L' = L - shard * I``: ``I`` per whole period of ``I * W`` tokens in ``L'``, plus
+    ``min(L' mod I W, I)`` (floor division makes ``L' < 0`` count 0).
+    """
+    periods, rem = np.divmod(np.asarray(lengths, dtype=np.int64) - np.asarray(shard) * interleave,
+                             interleave * world)
+    return periods * interleave + np.minimum(rem, interleave)
 
 
 def local_kv_lens(lengths: np.ndarray, world: int, interleave: int) -> np.ndarray:
@@ -40,7 +43,8 @@ def local_kv_lens(lengths: np.ndarray, world: int, interleave: int) -> np.ndarra
 
 def blocks_needed(lengths: np.ndarray, block_size: int, world: int) -> np.ndarray:
     """Virtual blocks a request of each length needs."""
-    return -(-np.asarray(lengths, dtype=np.int64) // (block_size * world))
+    per_block = block_size * world
+    return (np.asarray(lengths, dtype=np.int64) + (per_block - 1)) // per_block
 
 
 def segment_slots(req: np.ndarray, first_row: np.ndarray, first_pos: np.ndarray,
@@ -58,22 +62,21 @@ def segment_slots(req: np.ndarray, first_row: np.ndarray, first_pos: np.ndarray,
     slots = np.full(num_rows, -1, dtype=np.int64)
     local_lo = local_count(first_pos, shard, world, interleave)
     owned = local_count(first_pos + num_tokens, shard, world, interleave) - local_lo
-    ends = np.cumsum(owned)
+    ends = owned.cumsum()
     total = int(ends[-1]) if len(ends) else 0
     if total == 0:
         return slots
     local = np.arange(total, dtype=np.int64)  # local positions stored here, segment by segment
-    local += np.repeat(local_lo - (ends - owned), owned)
-    row_shift = np.repeat(first_row - first_pos + shard * interleave, owned)
+    local += (local_lo + owned - ends).repeat(owned)
     if interleave == 1:  # global position = local * world + shard
         rows = local * world
     else:
         rows = (local // interleave) * (interleave * world) + local % interleave
-    rows += row_shift
-    flat_block = local // block_size
-    flat_block += np.repeat(req * block_table.shape[1], owned)
-    slots[rows] = np.multiply(block_table.reshape(-1)[flat_block], block_size, dtype=np.int64) \
-        + local % block_size
+    rows += (first_row - first_pos + shard * interleave).repeat(owned)
+    block, offset = np.divmod(local, block_size)
+    block += (req * block_table.shape[1]).repeat(owned)
+    offset += np.multiply(block_table.ravel()[block], block_size, dtype=np.int64)
+    slots[rows] = offset
     return slots
 
 

@@ -13,6 +13,7 @@ row ``2 pcp C[i]``, and chunk ``k`` of it lives on rank ``k`` (head, ``k < pcp``
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from functools import cached_property
 from typing import NamedTuple
@@ -57,12 +58,7 @@ class PCPSplit:
     q_tail_idx: torch.Tensor  # [sum c] local rows of tail chunks
     q_full_idx: torch.Tensor  # [2 sum c] argsort(cat(q_head_idx, q_tail_idx))
     kv_with_q_head_nomask_idx: torch.Tensor  # restored rows before the head chunk
-    kv_with_q_head_mask_idx: torch.Tensor  # restored rows of the head chunk
     kv_with_q_tail_nomask_idx: torch.Tensor  # restored rows before the tail chunk
-    kv_with_q_tail_mask_idx: torch.Tensor  # restored rows of the tail chunk
-    attn_mask_seqlens: torch.Tensor  # [2, P] (query lens, key lens) of the masked parts
-    head_attn_nomask_seqlens: torch.Tensor  # [2, P] (query lens, key lens), head unmasked part
-    tail_attn_nomask_seqlens: torch.Tensor  # [2, P] (query lens, key lens), tail unmasked part
     head_nomask_cu_seqlens_k: torch.Tensor  # [P + 1] head * C
     tail_nomask_cu_seqlens_k: torch.Tensor  # [P + 1] tail * C
     kv_with_q_head_idx: torch.Tensor | None  # nomask + mask rows per prefill (window only)
@@ -95,6 +91,37 @@ class PCPSplit:
         return ChunkPlan(self.tail_chunk, self.q_tail_idx, self.kv_with_q_tail_nomask_idx,
                          self.tail_nomask_cu_seqlens_k, self.kv_with_q_tail_idx,
                          self.tail_cu_seqlens_k)
+
+    # -- vLLM-Ascend's names no kernel here reads (NPU seqlens form), made on first use ------
+    @cached_property
+    def kv_with_q_head_mask_idx(self) -> torch.Tensor:
+        """[sum c] restored rows of the head chunk (its causal diagonal)."""
+        return _tensor(self._chunk_rows(self.head_chunk))
+
+    @cached_property
+    def kv_with_q_tail_mask_idx(self) -> torch.Tensor:
+        """[sum c] restored rows of the tail chunk (its causal diagonal)."""
+        return _tensor(self._chunk_rows(self.tail_chunk))
+
+    @cached_property
+    def attn_mask_seqlens(self) -> torch.Tensor:
+        """[2, P] (query lens, key lens) of the masked (diagonal) parts."""
+        return _tensor(np.stack([self.chunk_lens, self.chunk_lens]))
+
+    @cached_property
+    def head_attn_nomask_seqlens(self) -> torch.Tensor:
+        """[2, P] (query lens, key lens) of the head chunk's unmasked part."""
+        return _tensor(np.stack([self.chunk_lens, self.head_chunk * self.chunk_lens]))
+
+    @cached_property
+    def tail_attn_nomask_seqlens(self) -> torch.Tensor:
+        """[2, P] (query lens, key lens) of the tail chunk's unmasked part."""
+        return _tensor(np.stack([self.chunk_lens, self.tail_chunk * self.chunk_lens]))
+
+    def _chunk_rows(self, chunk: int) -> np.ndarray:
+        """[sum c] restored rows of chunk ``chunk`` of every prefill."""
+        c = self.chunk_lens
+        return ranges_concat(2 * self.pcp_size * (np.cumsum(c) - c) + chunk * c, c)
 
     # -- host bookkeeping (tests, checkers, load-balance figures), made on first use ------
     @cached_property
@@ -132,7 +159,7 @@ class PCPSplit:
 
 def chunk_lens_for(new_lens: np.ndarray, pcp_size: int) -> np.ndarray:
     """[P] int64 chunk size c of each prefill: ceil(len / (2 * pcp))."""
-    return -(-np.asarray(new_lens, dtype=np.int64) // (2 * pcp_size))
+    return (np.asarray(new_lens, dtype=np.int64) + (2 * pcp_size - 1)) // (2 * pcp_size)
 
 
 def restore_index(chunk_lens: np.ndarray, pcp_size: int) -> np.ndarray:
@@ -143,14 +170,11 @@ def restore_index(chunk_lens: np.ndarray, pcp_size: int) -> np.ndarray:
     ``q(k) * 2 sum c + 2 C[i] + [k >= pcp] c[i] + j``.
     """
     c = chunk_lens
-    k = np.arange(2 * pcp_size)
-    sender = np.minimum(k, 2 * pcp_size - 1 - k)
-    is_tail = k >= pcp_size
-    local_start = 2 * np.cumsum(c) - 2 * c
+    sender, is_tail = _senders_of_chunks(pcp_size)
     starts = np.outer(c, is_tail)  # [P, 2 pcp]
     starts += sender * (2 * int(c.sum()))
-    starts += local_start[:, None]
-    return ranges_concat(starts.reshape(-1), np.repeat(c, 2 * pcp_size))
+    starts += (2 * (c.cumsum() - c))[:, None]
+    return ranges_concat(starts.reshape(-1), c.repeat(2 * pcp_size))
 
 
 def scatter_index(chunk_lens: np.ndarray, pcp_size: int) -> np.ndarray:
@@ -160,15 +184,29 @@ def scatter_index(chunk_lens: np.ndarray, pcp_size: int) -> np.ndarray:
     ``2 pcp C[i] + k c[i] + j`` with ``k = q`` (head) or ``2 pcp - 1 - q`` (tail).
     """
     c = chunk_lens
-    q = np.arange(pcp_size)
-    chunk = np.empty((pcp_size, 1, 2), dtype=np.int64)  # [pcp, 1, (head, tail)]
-    chunk[:, 0, 0], chunk[:, 0, 1] = q, 2 * pcp_size - 1 - q
-    restored_start = 2 * pcp_size * (np.cumsum(c) - c)
-    starts = chunk * c[:, None]  # [pcp, P, 2]
-    starts += restored_start[:, None]
+    starts = _chunks_of_ranks(pcp_size) * c[:, None]  # [pcp, P, 2]
+    starts += (2 * pcp_size * (c.cumsum() - c))[:, None]
     lengths = np.empty((pcp_size, len(c), 2), dtype=np.int64)
     lengths[...] = c[:, None]
     return ranges_concat(starts.reshape(-1), lengths.reshape(-1))
+
+
+@functools.lru_cache(maxsize=16)
+def _chunks_of_ranks(pcp_size: int) -> np.ndarray:
+    """[pcp, 1, 2] (head chunk, tail chunk) of every PCP rank (read-only)."""
+    q = np.arange(pcp_size, dtype=np.int64)
+    chunks = np.stack([q, 2 * pcp_size - 1 - q], axis=1)[:, None, :]
+    chunks.flags.writeable = False
+    return chunks
+
+
+@functools.lru_cache(maxsize=16)
+def _senders_of_chunks(pcp_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """[2 pcp] rank that holds each chunk, and whether it is that rank's tail (read-only)."""
+    k = np.arange(2 * pcp_size, dtype=np.int64)
+    sender, is_tail = np.minimum(k, 2 * pcp_size - 1 - k), k >= pcp_size
+    sender.flags.writeable = is_tail.flags.writeable = False
+    return sender, is_tail
 
 
 def plan_pcp_split(new_lens: np.ndarray, pcp_size: int, pcp_rank: int, windowed: bool = False
@@ -184,15 +222,14 @@ def plan_pcp_split(new_lens: np.ndarray, pcp_size: int, pcp_rank: int, windowed:
     head, tail = pcp_rank, 2 * pcp_size - 1 - pcp_rank
     cu = cumsum0(c)  # [P + 1]
     total = int(cu[-1])
-    # Per chunk row (prefill i, row j): arange = C[i] + j; first = C[i]; size = c[i].
-    arange = np.arange(total, dtype=np.int64)
-    first, size = np.repeat(cu[:-1], c), np.repeat(c, c)
-    q_head = arange + first  # local row 2 C[i] + j
-    restored = arange + (2 * pcp_size - 1) * first  # restored row 2 pcp C[i] + j
-    restored_start = 2 * pcp_size * cu[:-1]  # first restored row of each prefill
+    first = cu[:-1]
+    restored_start = 2 * pcp_size * first  # first restored row of each prefill
+    chunk_rows = np.arange(total, dtype=np.int64)  # row C[i] + j of the chunks' rows
+    q_head = chunk_rows + first.repeat(c)  # local row 2 C[i] + j
+    q_tail = q_head + c.repeat(c)  # local row 2 C[i] + c[i] + j
     q_full = np.empty(2 * total, dtype=np.int64)  # local row -> row of cat(head, tail)
-    q_full[q_head] = arange
-    q_full[q_head + size] = arange + total
+    q_full[q_head] = chunk_rows
+    q_full[q_tail] = chunk_rows + total
     head_kv = tail_kv = None
     if windowed:
         head_kv = _tensor(ranges_concat(restored_start, (head + 1) * c))
@@ -203,15 +240,10 @@ def plan_pcp_split(new_lens: np.ndarray, pcp_size: int, pcp_rank: int, windowed:
         chunk_lens=c,
         chunk_cu_seqlens=_tensor(cu),
         q_head_idx=_tensor(q_head),
-        q_tail_idx=_tensor(q_head + size),
+        q_tail_idx=_tensor(q_tail),
         q_full_idx=_tensor(q_full),
         kv_with_q_head_nomask_idx=_tensor(ranges_concat(restored_start, head * c)),
-        kv_with_q_head_mask_idx=_tensor(restored + head * size),
         kv_with_q_tail_nomask_idx=_tensor(ranges_concat(restored_start, tail * c)),
-        kv_with_q_tail_mask_idx=_tensor(restored + tail * size),
-        attn_mask_seqlens=_tensor(np.concatenate([c, c]).reshape(2, -1)),
-        head_attn_nomask_seqlens=_tensor(np.concatenate([c, head * c]).reshape(2, -1)),
-        tail_attn_nomask_seqlens=_tensor(np.concatenate([c, tail * c]).reshape(2, -1)),
         head_nomask_cu_seqlens_k=_tensor(head * cu),
         tail_nomask_cu_seqlens_k=_tensor(tail * cu),
         kv_with_q_head_idx=head_kv,
