@@ -1,4 +1,5 @@
-"""Causal prefill wall time, one thread per rank: pcp=1 vs pcp=2, and PyTorch's ring CP.
+"""Causal prefill wall time, one thread per rank: SDPA and the bare op on one device, the
+pcp=1 layer, pcp=2, and PyTorch's ring CP.
 
 One request of S tokens (S = 8k, 16k, 32k), 4 heads (MHA), head size 64, fp32, one layer,
 no cached context. Timed: the attention layer's forward on each rank (for cp_attention this
@@ -7,7 +8,10 @@ includes the K/V all-gather and the KV-cache write; for PyTorch's ring CP, the
 K/V exchange); the step time of a parallel run is the slowest rank's. pcp=1 runs in this
 process (1 thread), the 2-rank runs in a :class:`RankPool` (1 thread per rank), through the
 public backend classes (builder + impl forward; correctness is covered by the tests and
-``launch/run_cp.py --check``). Minimum over repeats; process CPU seconds are reported next to
+``launch/run_cp.py --check``). Single-device baselines in this process, 1 thread:
+``F.scaled_dot_product_attention`` (what a user without CP runs) and the bare op
+``get_ops("cpu").varlen_attention`` (the pcp=1 layer's kernel; ``pcp1_over_bare_op`` is the
+layer's overhead: cache write, masks, bookkeeping). Minimum over repeats; process CPU seconds are reported next to
 wall time because other users of the 2 cores inflate wall time.
 
     python -m benchmarks.bench_speed --out results/
@@ -30,6 +34,7 @@ from cp_attention.backend import CPAttentionBackend
 from cp_attention.config import CPConfig, CPRanks
 from cp_attention.metadata.common import StepSpec
 from cp_attention.metadata.kv_layout import blocks_needed
+from cp_attention.ops import get_ops
 from cp_attention.testing.pool import RankPool
 
 NAME = "bench_speed"
@@ -70,6 +75,31 @@ def time_forward(pcp: int, rank: int, groups, tokens: int, repeats: int) -> dict
         walls.append(time.perf_counter() - wall)
     return {"wall_s": min(walls), "cpu_s": min(cpus), "walls": walls,
             "local_rows": meta.num_actual_tokens, "output_finite": bool(out.isfinite().all())}
+
+
+def time_single_device(tokens: int, repeats: int) -> dict:
+    """Wall seconds (min over ``repeats``) of the same problem on one device without a layer:
+    ``F.scaled_dot_product_attention`` (what a user without CP calls) and the bare op
+    ``get_ops("cpu").varlen_attention`` (the pcp=1 layer's kernel, no cache write, no
+    bookkeeping)."""
+    import torch.nn.functional as F
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(tokens, HEADS, HEAD_SIZE, generator=gen) for _ in range(3))
+    cu = torch.tensor([0, tokens], dtype=torch.int64)
+    ops = get_ops("cpu")
+    q4, k4, v4 = (x.transpose(0, 1).unsqueeze(0).contiguous() for x in (q, k, v))  # [1, H, S, D]
+    calls = {"sdpa": lambda: F.scaled_dot_product_attention(q4, k4, v4, is_causal=True),
+             "bare_op": lambda: ops.varlen_attention(q, k, v, cu, cu, scale=HEAD_SIZE ** -0.5,
+                                                     causal=True)}
+    for call in calls.values():  # warm-up (first-call allocations, kernel build)
+        call()
+    walls = {name: [] for name in calls}
+    for _ in range(repeats):  # interleaved
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            walls[name].append(time.perf_counter() - start)
+    return {f"{name}_s": min(w) for name, w in walls.items()} | {"ops": ops.name}
 
 
 def cp_task(rank: int, get_groups, tokens: int, repeats: int = 1) -> dict:
@@ -118,6 +148,7 @@ def run(out_dir: str | Path, quick: bool = False, sizes=None, repeats: int | Non
             for tokens in sizes:
                 reps = max(1, repeats if tokens < 32768 else repeats - 1)
                 one = time_forward(1, 0, None, tokens, reps)
+                single = time_single_device(tokens, reps)
                 two = pool.run("benchmarks.bench_speed.cp_task", tokens, reps, timeout_s=600)
                 ring = pool.run("benchmarks.bench_speed.torch_ring_task", tokens, reps,
                                 timeout_s=600)
@@ -129,6 +160,9 @@ def run(out_dir: str | Path, quick: bool = False, sizes=None, repeats: int | Non
                 flops = 2.0 * tokens * tokens * HEADS * HEAD_SIZE  # causal fwd: 4 * S^2/2 * H * D
                 rows.append({"tokens": tokens, "repeats": reps,
                              "pcp1_s": s1, "pcp2_s": s2, "torch_ring_s": sr,
+                             "sdpa_s": single["sdpa_s"], "bare_op_s": single["bare_op_s"],
+                             "pcp1_over_bare_op": s1 / single["bare_op_s"],
+                             "speedup_pcp2_vs_sdpa": single["sdpa_s"] / s2,
                              "speedup_pcp2": s1 / s2, "efficiency_pcp2": s1 / (2 * s2),
                              "speedup_torch_ring": s1 / sr,
                              "cp_attention_vs_torch_ring": sr / s2,
@@ -152,6 +186,7 @@ def run(out_dir: str | Path, quick: bool = False, sizes=None, repeats: int | Non
         "statistic": "wall: min over repeats, parallel time = slowest rank; cpu: process CPU "
                      "seconds of the same call (less sensitive to other users of the cores)",
         "torch_ring_options": str(_cp_options),
+        "ops": get_ops("cpu").name,
         "rows": rows,
     }
     write_json(out_dir, NAME, payload)
@@ -159,28 +194,32 @@ def run(out_dir: str | Path, quick: bool = False, sizes=None, repeats: int | Non
     return payload
 
 
-SERIES = (("pcp1_s", None, "pcp=1 (1 rank)"),
-          ("pcp2_s", "speedup_pcp2", "cp_attention pcp=2"),
-          ("torch_ring_s", "speedup_torch_ring", "torch ring CP, 2 ranks"))
+SERIES = (("sdpa_s", "SDPA (1 device, no layer)"),
+          ("pcp1_s", "cp_attention pcp=1 layer"),
+          ("pcp2_s", "cp_attention pcp=2"),
+          ("torch_ring_s", "torch ring CP, 2 ranks"))
 
 
 def _plot(rows, out_dir):
-    """Times (left) and speedups (right); one colour per series in both panels."""
+    """Times (left) and speedups over single-device SDPA (right); one colour per series."""
     fig, (ax1, ax2) = new_figure(2)
-    colors = series_colors(key for key, _, _ in SERIES)
+    colors = series_colors(key for key, _ in SERIES)
     x = list(range(len(rows)))
     labels = [human_tokens(r["tokens"]) for r in rows]
-    width = 0.27
-    for i, (key, speedup, label) in enumerate(SERIES):
-        ax1.bar([xi + (i - 1) * width for xi in x], [r[key] for r in rows], width, label=label,
+    width = 0.8 / len(SERIES)
+    for i, (key, label) in enumerate(SERIES):
+        offset = (i - (len(SERIES) - 1) / 2) * width
+        ax1.bar([xi + offset for xi in x], [r[key] for r in rows], width, label=label,
                 color=colors[key])
-        if speedup is not None:
-            ax2.plot(labels, [r[speedup] for r in rows], "-o", label=label, color=colors[key])
+        if key != "sdpa_s":
+            ax2.plot(labels, [r["sdpa_s"] / r[key] for r in rows], "-o", label=label,
+                     color=colors[key])
     ax1.set_xticks(x, labels)
     ax1.set(xlabel="prompt tokens", ylabel="wall seconds (one layer)", title="causal prefill time")
     ax1.legend(fontsize=8)
     ax2.axhline(2.0, color="grey", ls=":", label="ideal (2 ranks)")
-    ax2.set(xlabel="prompt tokens", ylabel="speedup over pcp=1", ylim=(0, 2.2),
+    ax2.axhline(1.85, color="red", ls=":", label="goal 1.85x (pcp=2)")
+    ax2.set(xlabel="prompt tokens", ylabel="speedup over single-device SDPA", ylim=(0, 2.2),
             title="speedup (2 ranks on a shared 2-core CPU)")
     ax2.legend(fontsize=8)
     ax2.grid(alpha=0.3)
@@ -195,7 +234,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"S={human_tokens(r['tokens'])}: pcp1 {r['pcp1_s']:.3f}s pcp2 {r['pcp2_s']:.3f}s "
               f"ring {r['torch_ring_s']:.3f}s | speedup pcp2 {r['speedup_pcp2']:.2f} "
               f"(eff {r['efficiency_pcp2']:.2f}), ring {r['speedup_torch_ring']:.2f}, "
-              f"ours/ring {r['cp_attention_vs_torch_ring']:.2f} | cpu-time speedup pcp2 "
+              f"ours/ring {r['cp_attention_vs_torch_ring']:.2f} | sdpa {r['sdpa_s']:.3f}s "
+              f"(pcp2 {r['speedup_pcp2_vs_sdpa']:.2f}x), pcp1/bare op "
+              f"{r['pcp1_over_bare_op']:.3f} | cpu-time speedup pcp2 "
               f"{r['cpu_speedup_pcp2']:.2f}, ring {r['cpu_speedup_torch_ring']:.2f}")
 
 

@@ -60,7 +60,7 @@ def test_speed_then_cost_model(out):
     data = _load(out, "bench_speed")
     assert [r["tokens"] for r in data["rows"]] == [512, 1024]
     for r in data["rows"]:
-        for key in ("pcp1_s", "pcp2_s", "torch_ring_s", "cpu_pcp2_s"):
+        for key in ("pcp1_s", "pcp2_s", "torch_ring_s", "cpu_pcp2_s", "sdpa_s", "bare_op_s"):
             assert 0 < r[key] < 60
         # each run did its share of the work: pcp=2 ranks hold half the prompt each
         assert r["local_rows"] == {"pcp1": r["tokens"], "pcp2": [r["tokens"] // 2] * 2,
@@ -116,17 +116,21 @@ def test_forward_checks(out):
 
 
 def test_speed_plot_uses_one_colour_per_series(tmp_path):
-    """Both panels of the speed figure draw a series in the same colour."""
-    rows = [{"tokens": n, "pcp1_s": 2.0, "pcp2_s": 1.2, "torch_ring_s": 1.4,
-             "speedup_pcp2": 1.6, "speedup_torch_ring": 1.4} for n in (512, 1024)]
+    """Both panels of the speed figure draw a series in the same colour; the speedup panel
+    plots SDPA time / series time."""
+    rows = [{"tokens": n, "sdpa_s": 2.2, "pcp1_s": 2.0, "pcp2_s": 1.1, "torch_ring_s": 1.4}
+            for n in (512, 1024)]
     bars, lines = bench_speed._plot(rows, tmp_path).axes
     bar_colors = {c.get_label(): c.patches[0].get_facecolor() for c in bars.containers}
-    line_colors = {ln.get_label(): to_rgba(ln.get_color()) for ln in lines.get_lines()
-                   if not ln.get_label().startswith("ideal")}
-    assert set(line_colors) == {"cp_attention pcp=2", "torch ring CP, 2 ranks"}
-    for label, color in line_colors.items():
-        assert bar_colors[label] == color, label
-    assert len(set(bar_colors.values())) == 3
+    series = {ln.get_label(): ln for ln in lines.get_lines()
+              if not ln.get_label().startswith(("ideal", "goal"))}
+    assert set(series) == {"cp_attention pcp=1 layer", "cp_attention pcp=2",
+                           "torch ring CP, 2 ranks"}
+    for label, line in series.items():
+        assert bar_colors[label] == to_rgba(line.get_color()), label
+    assert len(set(bar_colors.values())) == 4
+    assert list(series["cp_attention pcp=2"].get_ydata()) == pytest.approx([2.0, 2.0])
+
 
 def test_cpu_ops(out):
     bench_cpu_ops.run(out, quick=True)
