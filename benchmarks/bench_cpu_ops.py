@@ -3,7 +3,10 @@
 Issue 12's table: paged decode (block 128, cache read in place) and causal prefill, same data
 for every implementation, 1 thread by default, interleaved repeats (min reported). Also
 measures the machine's memory read bandwidth (sum over a large tensor, same thread count) and
-states the decode rows' achieved GB/s of K/V read. vLLM runs where it is installed
+states the decode rows' achieved GB/s of K/V read. Decode rows also time the pcp=1 layer
+(``impl.forward``, cache write included; the step's metadata built once, as for all layers of
+a model step, its build time reported apart) on the same decode: ``layer/op`` is the layer's
+overhead over the bare op. vLLM runs where it is installed
 (``/work/venv-vllm``); elsewhere the table has ours and SDPA only.
 
     PYTHONPATH=$PWD /work/venv-vllm/bin/python -m benchmarks.bench_cpu_ops --out results/
@@ -19,6 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import new_figure, parse_args, save_figure, write_json
+from cp_attention.backend import CPAttentionBackend
+from cp_attention.config import CPConfig, CPRanks
+from cp_attention.metadata.common import StepSpec
 from cp_attention.ops import get_ops
 
 try:  # optional: the vLLM venv
@@ -100,6 +106,26 @@ class Problem:
         self.key_cache, self.value_cache = kv[0], kv[1]
         self.ops.reshape_and_cache(self.k, self.v, self.key_cache, self.value_cache, self.slots)
         self.vllm = self._vllm_cache(num_blocks, dtype) if with_vllm else None
+        self.layer = self._layer(num_blocks) if case.kind == "decode" else None
+
+    def _layer(self, num_blocks: int):
+        """The pcp=1 attention layer's forward for the same decode: each request's last
+        cached token is this step's new token (written to the cache again), the other
+        ``context - 1`` are its cached context. The metadata is built once, as for every
+        layer of a model step (its build time is reported apart)."""
+        c = self.case
+        cfg = CPConfig(block_size=BLOCK_SIZE)
+        builder = CPAttentionBackend.get_builder_cls(cfg)(cfg, CPRanks(), None, num_blocks)
+        impl = CPAttentionBackend.get_impl_cls(cfg)(c.q_heads, c.head_size, self.scale,
+                                                    c.kv_heads)
+        step = StepSpec((c.context - 1,) * c.batch, (1,) * c.batch, self.block_table)
+        self.build_ms = min(_timed(lambda: builder.build(step)) for _ in range(5)) * 1e3
+        meta = builder.build(step)
+        last = torch.arange(1, c.batch + 1) * c.context - 1
+        k_new, v_new = self.k[last].contiguous(), self.v[last].contiguous()
+        kv_cache = self.packed.unflatten(-1, (2, c.head_size)).permute(3, 0, 2, 1, 4)
+        out = torch.empty_like(self.q)
+        return lambda: impl.forward(None, self.q, k_new, v_new, kv_cache, meta, output=out)
 
     def _vllm_cache(self, num_blocks: int, dtype: torch.dtype) -> dict:
         c = self.case
@@ -156,6 +182,8 @@ class Problem:
 def measure(case: Case, repeats: int, with_vllm: bool) -> dict:
     problem = Problem(case, with_vllm)
     impls = {"ours": problem.ours, "sdpa": problem.sdpa}
+    if problem.layer is not None:
+        impls["layer"] = problem.layer
     if with_vllm:
         impls["vllm"] = problem.vllm_kernel
     reference = problem.ours().float()
@@ -171,6 +199,9 @@ def measure(case: Case, repeats: int, with_vllm: bool) -> dict:
     if with_vllm:
         row["ours_over_vllm"] = row["ours_ms"] / row["vllm_ms"]
     row["ours_over_sdpa"] = row["ours_ms"] / row["sdpa_ms"]
+    if "layer_ms" in row:
+        row["layer_over_ours"] = row["layer_ms"] / row["ours_ms"]
+        row["metadata_build_ms"] = problem.build_ms
     if case.kind == "decode":
         for name in impls:
             row[f"{name}_gbs"] = problem.kv_bytes() / (row[f"{name}_ms"] / 1e3) / 1e9
@@ -193,7 +224,9 @@ def run(out_dir: str | Path, quick: bool = False, threads: int = 1) -> dict:
             row["ours_fraction_of_bandwidth"] = row["ours_gbs"] / bandwidth
     payload = {
         "what": "ms per call (min over interleaved repeats); ours = get_ops('cpu') "
-                "(paged_attention for decode, varlen_attention for prefill), vllm = "
+                "(paged_attention for decode, varlen_attention for prefill), layer = the "
+                "pcp=1 layer's impl.forward (cache write included, metadata built once per "
+                "step) on the same decode, vllm = "
                 "vllm._custom_ops.cpu_attention_with_kv_cache, sdpa = "
                 "F.scaled_dot_product_attention on contiguous K/V",
         "threads": threads, "block_size": BLOCK_SIZE, "ops": get_ops("cpu").name,
@@ -233,6 +266,8 @@ def main(argv: list[str] | None = None) -> None:
         parts = [f"{n} {r[f'{n}_ms']:.2f} ms" for n in ("ours", "vllm", "sdpa") if f"{n}_ms" in r]
         ratio = f" ours/vllm {r['ours_over_vllm']:.2f}" if "ours_over_vllm" in r else ""
         gbs = f" ({r['ours_gbs']:.1f} GB/s)" if "ours_gbs" in r else ""
+        if "layer_over_ours" in r:
+            gbs += f", layer/op {r['layer_over_ours']:.3f}"
         print(f"{r['label']}: " + ", ".join(parts) + ratio + gbs)
 
 
