@@ -6,7 +6,6 @@ hccl (npu). This is the only module that creates groups.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -24,16 +23,6 @@ def backend_for_device(device: torch.device | str) -> str:
     if device_type not in _BACKEND_BY_DEVICE:
         raise ValueError(f"no collective backend known for device type {device_type!r}")
     return _BACKEND_BY_DEVICE[device_type]
-
-
-def detect_device() -> torch.device:
-    """NPU if torch_npu is usable, else CUDA, else CPU (local rank picks the device index)."""
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if hasattr(torch, "npu") and torch.npu.is_available():  # registered by torch_npu
-        return torch.device("npu", local_rank)
-    if torch.cuda.is_available():
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    return torch.device("cpu")
 
 
 @dataclass
@@ -57,13 +46,15 @@ class CPGroups:
         return cls(config, CPRanks(), torch.device(device))
 
     @classmethod
-    def create(cls, config: CPConfig, device: torch.device | str | None = None,
+    def create(cls, config: CPConfig, device: torch.device | str,
                timeout_s: float | None = None) -> "CPGroups":
         """Create all groups; initializes the default group from the environment if needed.
 
-        Must be called by every rank of the world in the same order.
+        device: this rank's device; its type picks the collective backend (the launchers
+        choose it with :func:`cp_attention.launch.device.select_device`). Must be called by
+        every rank of the world in the same order.
         """
-        device = torch.device(device) if device is not None else detect_device()
+        device = torch.device(device)
         # new_group() does not inherit the default group's timeout (gloo's default is 30 min),
         # so the same timeout is passed to every group: a dead peer fails the step, not hangs it.
         kwargs = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}

@@ -31,7 +31,7 @@ class CPAttentionImpl(BaseAttentionImpl):
     def __init__(self, *args, groups=None, dcp_comm_backend: str = "ag_rs", **kwargs) -> None:
         """dcp_comm_backend: how DCP partials are combined, "ag_rs" or "a2a" (see module doc)."""
         if groups is None:
-            raise ValueError("CPAttentionImpl needs groups (CPGroups.create(config))")
+            raise ValueError("CPAttentionImpl needs groups (CPGroups.create(config, device))")
         if dcp_comm_backend not in DCP_COMM_BACKENDS:
             raise ValueError(f"dcp_comm_backend must be one of {DCP_COMM_BACKENDS}, "
                              f"got {dcp_comm_backend!r}")
