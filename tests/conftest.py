@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import warnings
 
 import pytest
 
+from cp_attention.ops import CpuOps, get_ops
+from cp_attention.ops.cpu_build import forced_reference, load_cpu_extension
 from cp_attention.testing.pool import RankPool
 
 os.environ["CP_ATTENTION_DEBUG"] = "1"
@@ -38,3 +41,18 @@ def _close_pools():
 def pools():
     """``pools(n)`` returns the session's pool of n gloo ranks."""
     return rank_pool
+
+
+@pytest.fixture(scope="session")
+def cpu_ops() -> CpuOps:
+    """``get_ops("cpu")`` backed by the built C++ kernels (paged and varlen): a failed build is
+    a test failure here, not the fallback; skipped only under ``CP_ATTENTION_OPS=reference``."""
+    if forced_reference():
+        pytest.skip("CP_ATTENTION_OPS=reference: the C++ kernels are switched off")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        extension = load_cpu_extension()
+    assert extension is not None and hasattr(extension, "varlen_attention")
+    ops = get_ops("cpu")
+    assert isinstance(ops, CpuOps)
+    return ops

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from cp_attention.metadata.common import ranges_concat
-
 
 def kv_owner(positions: np.ndarray, world: int, interleave: int) -> np.ndarray:
     """KV shard that stores each token position."""

@@ -5,8 +5,10 @@ The first call compiles every ``csrc/*.cpp`` into one extension with
 torch's extension directory (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``)
 under a name that hashes the sources, the flags and the CPU's instruction set, so edited
 sources or another machine never load a stale binary. Processes starting at once share one
-build (cpp_extension's file lock). ``CP_ATTENTION_OPS=reference`` skips the build; a failed
-build returns ``None`` after one warning and callers use :class:`ReferenceOps`.
+build (cpp_extension's file lock; a lock older than :data:`STALE_LOCK_S`, left by a process
+killed while building, is removed with a warning instead of blocking every later start).
+``CP_ATTENTION_OPS=reference`` skips the build; a failed build returns ``None`` after one
+warning and callers use :class:`ReferenceOps`.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import importlib.util
 import os
 import platform
 import sys
+import time
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -27,6 +30,7 @@ CSRC_DIR = Path(__file__).resolve().parent / "csrc"
 FORCE_ENV = "CP_ATTENTION_OPS"
 _CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fno-math-errno"]
 _LDFLAGS = ["-fopenmp"]
+STALE_LOCK_S = 30 * 60  # a build takes ~1-7 minutes here; an older lock has no live owner
 
 
 def forced_reference() -> bool:
@@ -69,6 +73,7 @@ def load_cpu_extension() -> ModuleType | None:
     built = _load_built(name)
     if built is not None:
         return built
+    clear_stale_lock(name)
     try:
         return load(name=name, sources=[str(p) for p in sources],
                     extra_include_paths=[str(CSRC_DIR)], extra_cflags=_CFLAGS,
@@ -94,6 +99,22 @@ def _load_built(name: str) -> ModuleType | None:
         return module
     except Exception:  # e.g. an interrupted link: rebuild through cpp_extension
         return None
+
+
+def clear_stale_lock(name: str, max_age_s: float = STALE_LOCK_S) -> bool:
+    """Remove the build lock of extension ``name`` if it is older than ``max_age_s`` (its
+    owner was killed mid-build; cpp_extension would wait on it forever). True if removed."""
+    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age <= max_age_s:
+        return False
+    warnings.warn(f"cp_attention: removing a stale build lock {lock} ({age / 60:.0f} min old; "
+                  "a build was interrupted)", RuntimeWarning, stacklevel=3)
+    lock.unlink(missing_ok=True)
+    return True
 
 
 def _first_error(exc: Exception) -> str:
