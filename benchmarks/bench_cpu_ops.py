@@ -3,7 +3,9 @@
 Issue 12's table: paged decode (block 128, cache read in place) and causal prefill, same data
 for every implementation, 1 thread by default, interleaved repeats (min reported). Also
 measures the machine's memory read bandwidth (sum over a large tensor, same thread count) and
-states the decode rows' achieved GB/s of K/V read. Decode rows also time the pcp=1 layer
+states the decode rows' achieved GB/s of K/V read, next to a roofline: a decode does
+``2 * group / element size`` flops per byte of K/V, so it streams no faster than
+min(bandwidth, fp32 matmul FLOP rate / that intensity). Decode rows also time the pcp=1 layer
 (``impl.forward``, cache write included; the step's metadata built once, as for all layers of
 a model step, its build time reported apart) on the same decode: ``layer/op`` is the layer's
 overhead over the bare op. vLLM runs where it is installed
@@ -69,6 +71,13 @@ def memory_bandwidth_gbs(megabytes: int = 1024, repeats: int = 5) -> float:
     x.sum()
     best = min(_timed(x.sum) for _ in range(repeats))
     return x.numel() * 4 / best / 1e9
+
+
+def matmul_gflops(n: int = 1024, repeats: int = 5) -> float:
+    """Attainable float32 FLOP rate: best ``n x n @ n x n`` matmul (same thread count)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    return 2 * n ** 3 / min(_timed(lambda: a @ b) for _ in range(repeats)) / 1e9
 
 
 def _timed(fn) -> float:
@@ -178,6 +187,12 @@ class Problem:
         """Bytes of K and V a decode reads once."""
         return 2 * self.k.numel() * self.k.element_size()
 
+    def flops_per_kv_byte(self) -> float:
+        """A decode's arithmetic intensity: per cached token and KV head, QK and PV cost
+        ``2 * 2 * group * D`` flops for ``2 * D * element size`` bytes."""
+        group = self.case.q_heads // self.case.kv_heads
+        return 2 * group * self.q_len / self.k.element_size()
+
 
 def measure(case: Case, repeats: int, with_vllm: bool) -> dict:
     problem = Problem(case, with_vllm)
@@ -205,6 +220,7 @@ def measure(case: Case, repeats: int, with_vllm: bool) -> dict:
     if case.kind == "decode":
         for name in impls:
             row[f"{name}_gbs"] = problem.kv_bytes() / (row[f"{name}_ms"] / 1e3) / 1e9
+        row["flops_per_kv_byte"] = problem.flops_per_kv_byte()
     return row
 
 
@@ -214,6 +230,7 @@ def run(out_dir: str | Path, quick: bool = False, threads: int = 1) -> dict:
     with_vllm = vllm_ops is not None
     try:
         bandwidth = memory_bandwidth_gbs(64 if quick else 1024)
+        peak_gflops = matmul_gflops(256 if quick else 1024)
         rows = [measure(c, repeats=(2 if quick else (3 if c.kind == "prefill" else 10)),
                         with_vllm=with_vllm)
                 for c in (QUICK_CASES if quick else CASES)]
@@ -221,7 +238,12 @@ def run(out_dir: str | Path, quick: bool = False, threads: int = 1) -> dict:
         torch.set_num_threads(saved)
     for row in rows:
         if "ours_gbs" in row:
+            # roofline: a decode can stream K/V no faster than memory nor than the FLOP rate
+            # allows at its arithmetic intensity
+            row["compute_roof_gbs"] = peak_gflops / row["flops_per_kv_byte"]
+            row["roof_gbs"] = min(bandwidth, row["compute_roof_gbs"])
             row["ours_fraction_of_bandwidth"] = row["ours_gbs"] / bandwidth
+            row["ours_fraction_of_roof"] = row["ours_gbs"] / row["roof_gbs"]
     payload = {
         "what": "ms per call (min over interleaved repeats); ours = get_ops('cpu') "
                 "(paged_attention for decode, varlen_attention for prefill), layer = the "
@@ -230,7 +252,8 @@ def run(out_dir: str | Path, quick: bool = False, threads: int = 1) -> dict:
                 "vllm._custom_ops.cpu_attention_with_kv_cache, sdpa = "
                 "F.scaled_dot_product_attention on contiguous K/V",
         "threads": threads, "block_size": BLOCK_SIZE, "ops": get_ops("cpu").name,
-        "vllm_available": with_vllm, "memory_read_bandwidth_gbs": bandwidth, "rows": rows,
+        "vllm_available": with_vllm, "memory_read_bandwidth_gbs": bandwidth,
+        "matmul_gflops": peak_gflops, "rows": rows,
     }
     write_json(out_dir, NAME, payload)
     _plot(payload, out_dir)
@@ -260,12 +283,14 @@ def _plot(payload: dict, out_dir: str | Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(__doc__, argv)
     payload = run(args.out, args.quick)
-    print(f"memory read bandwidth: {payload['memory_read_bandwidth_gbs']:.1f} GB/s "
-          f"({payload['threads']} thread)")
+    print(f"memory read bandwidth: {payload['memory_read_bandwidth_gbs']:.1f} GB/s, fp32 matmul "
+          f"{payload['matmul_gflops']:.1f} GFLOP/s ({payload['threads']} thread)")
     for r in payload["rows"]:
         parts = [f"{n} {r[f'{n}_ms']:.2f} ms" for n in ("ours", "vllm", "sdpa") if f"{n}_ms" in r]
         ratio = f" ours/vllm {r['ours_over_vllm']:.2f}" if "ours_over_vllm" in r else ""
-        gbs = f" ({r['ours_gbs']:.1f} GB/s)" if "ours_gbs" in r else ""
+        gbs = (f" ({r['ours_gbs']:.1f} GB/s, {100 * r['ours_fraction_of_bandwidth']:.0f}% of "
+               f"bandwidth, {100 * r['ours_fraction_of_roof']:.0f}% of roof "
+               f"{r['roof_gbs']:.1f} GB/s)") if "ours_gbs" in r else ""
         if "layer_over_ours" in r:
             gbs += f", layer/op {r['layer_over_ours']:.3f}"
         print(f"{r['label']}: " + ", ".join(parts) + ratio + gbs)
