@@ -142,7 +142,6 @@ class PrefillPlan:
     local: RowLayout  # local prefill rows
     step: RowLayout  # step prefill rows (== local without PCP)
     local_rows_per_req: np.ndarray  # [Np]
-    step_rows_per_req: np.ndarray  # [Np]
 
 
 def plan_prefills(prefills: np.ndarray, new_lens: np.ndarray, pcp_size: int, pcp_rank: int,
@@ -150,11 +149,11 @@ def plan_prefills(prefills: np.ndarray, new_lens: np.ndarray, pcp_size: int, pcp
     """The prefill rows (local and step) of a rank; new_lens: [Np] new tokens per prefill."""
     if pcp_size == 1:
         rows = whole_requests(prefills, new_lens, new_lens)
-        return PrefillPlan(prefills, None, rows, rows, new_lens, new_lens)
+        return PrefillPlan(prefills, None, rows, rows, new_lens)
     split = plan_pcp_split(new_lens, pcp_size, pcp_rank, windowed)
     padded = 2 * pcp_size * split.chunk_lens
     return PrefillPlan(prefills, split, pcp_local_rows(prefills, new_lens, split),
-                       whole_requests(prefills, new_lens, padded), 2 * split.chunk_lens, padded)
+                       whole_requests(prefills, new_lens, padded), 2 * split.chunk_lens)
 
 
 def token_rows(rows: RowLayout, step: StepSpec, num_input: int) -> tuple[np.ndarray, np.ndarray]:
