@@ -259,3 +259,41 @@ def test_stale_build_lock_is_removed_fresh_one_kept(tmp_path, monkeypatch):
         assert clear_stale_lock("cp_attention_cpu_test")
     assert not lock.exists()
     assert not clear_stale_lock("cp_attention_cpu_test")  # nothing left to remove
+
+
+@settings(max_examples=25, deadline=None)
+@given(tokens=st.integers(0, 40), heads=st.integers(1, 6), d=st.sampled_from([1, 8, 64, 80]),
+       strided=st.booleans(), seed=st.integers(0, 2**16))
+def test_merge_attn_states_matches_torch_merge(ops, tokens, heads, d, strided, seed):
+    """The C++ merge against the torch merge (the oracle's): random partials with empty
+    parts (lse -inf) on one side, on both sides, and strided (non-contiguous) inputs."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def part():
+        out = torch.randn(tokens, heads, d, generator=gen)
+        lse = torch.randn(tokens, heads, generator=gen) * 5
+        lse[torch.rand(tokens, heads, generator=gen) < 0.3] = -math.inf
+        if strided:  # [T, H, D] views of a [H, T, D] buffer, lse of a [H, T] buffer
+            out, lse = out.transpose(0, 1).contiguous().transpose(0, 1), lse.t().contiguous().t()
+        return out, lse
+
+    (out_a, lse_a), (out_b, lse_b) = part(), part()
+    out, lse = ops.merge_attn_states(out_a, lse_a, out_b, lse_b)
+    ref_out, ref_lse = ReferenceOps().merge_attn_states(out_a, lse_a, out_b, lse_b)
+    assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
+    assert torch.allclose(out, ref_out, atol=1e-6, rtol=1e-5)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    finite = torch.isfinite(ref_lse)
+    assert torch.allclose(lse[finite], ref_lse[finite], atol=1e-6, rtol=1e-6)
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert (out[torch.isneginf(lse)] == 0).all()
+
+
+def test_merge_attn_states_other_dtypes_use_the_torch_merge(ops):
+    """float64 (the oracle's precision) and bf16 partials are merged by the torch merge."""
+    for dtype in (torch.float64, torch.bfloat16):
+        out_a, out_b = torch.randn(3, 2, 8, dtype=dtype), torch.randn(3, 2, 8, dtype=dtype)
+        lse_a, lse_b = torch.randn(3, 2, dtype=dtype), torch.randn(3, 2, dtype=dtype)
+        out, _ = ops.merge_attn_states(out_a, lse_a, out_b, lse_b)
+        ref, _ = ReferenceOps().merge_attn_states(out_a, lse_a, out_b, lse_b)
+        assert out.dtype == dtype and torch.equal(out, ref)

@@ -1,8 +1,8 @@
 """Fast CPU implementation of :class:`~cp_attention.ops.interface.AttentionOps`.
 
-``paged_attention`` and ``reshape_and_cache`` run the C++ kernels of ``ops/csrc`` (built on
-first use by :mod:`cp_attention.ops.cpu_build`): the paged cache is read in place, in its own
-dtype, with float32 accumulation. ``varlen_attention`` uses the C++ prefill kernel when the
+``paged_attention``, ``reshape_and_cache`` and ``merge_attn_states`` (float32 partials) run the
+C++ kernels of ``ops/csrc`` (built on first use by :mod:`cp_attention.ops.cpu_build`): the
+paged cache is read in place, in its own dtype, with float32 accumulation. ``varlen_attention`` uses the C++ prefill kernel when the
 extension has one, ``ReferenceOps`` otherwise. float64 inputs go to ``ReferenceOps`` (the
 oracle's precision). Checks here are O(1) (shapes, dtypes); value checks are the caller's.
 """
@@ -58,4 +58,8 @@ class CpuOps:
         self._ext.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
     def merge_attn_states(self, out_a, lse_a, out_b, lse_b):
+        if all(x.dtype == torch.float32 and x.device.type == "cpu"
+               for x in (out_a, lse_a, out_b, lse_b)) and out_a.stride(-1) == 1 and \
+                out_b.stride(-1) == 1:
+            return self._ext.merge_attn_states(out_a, lse_a, out_b, lse_b)
         return merge_attn_states(out_a, lse_a, out_b, lse_b)

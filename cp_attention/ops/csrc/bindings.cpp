@@ -1,6 +1,7 @@
 // The one Python module of the CPU attention kernels (built by cp_attention/ops/cpu_build.py).
 #include <torch/extension.h>
 
+#include "merge_states.h"
 #include "paged_attention.h"
 #if __has_include("varlen_attention.h")
 #include "varlen_attention.h"
@@ -12,6 +13,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention_cpu,
         "paged attention (q, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, "
         "scale, kv_start, kv_end) -> (out fp32, lse fp32)");
+  m.def("merge_attn_states", &merge_attn_states_cpu,
+        "LSE merge of two float32 partials (out_a, lse_a, out_b, lse_b) -> (out, lse)");
   m.def("reshape_and_cache", &reshape_and_cache_cpu,
         "store key/value rows at slot_mapping (-1 skipped) of strided caches");
 #ifdef CP_ATTENTION_HAS_VARLEN
