@@ -75,30 +75,31 @@ class CPAttentionImpl(BaseAttentionImpl):
         q_pre, k_loc, v_loc = q[nd:], k[nd:], v[nd:]
         head, tail = split.head, split.tail
         cu_q = split.chunk_cu_seqlens
-        head_diag = tail_diag = None
-        if self.sliding_window is None:
-            head_diag = self._chunk_diagonal(q_pre, k_loc, v_loc, head.q_idx, cu_q)
-            tail_diag = self._chunk_diagonal(q_pre, k_loc, v_loc, tail.q_idx, cu_q)
+        head_q, head_diag = self._chunk_diagonal(q_pre, k_loc, v_loc, head, cu_q)
+        tail_q, tail_diag = self._chunk_diagonal(q_pre, k_loc, v_loc, tail, cu_q)
         step_k, step_v = self._wait_step_kv(step_kv)
         k_pre, v_pre = step_k[nd:], step_v[nd:]
-        head_out, head_lse = self._chunk_attention(q_pre, k_pre, v_pre, head, cu_q, head_diag)
-        tail_out, tail_lse = self._chunk_attention(q_pre, k_pre, v_pre, tail, cu_q, tail_diag)
+        head_out, head_lse = self._chunk_attention(head_q, k_pre, v_pre, head, cu_q, head_diag)
+        tail_out, tail_lse = self._chunk_attention(tail_q, k_pre, v_pre, tail, cu_q, tail_diag)
         local_order = split.q_full_idx.to(q.device)  # [head rows | tail rows] -> local rows
         return (torch.cat([head_out, tail_out])[local_order],
                 torch.cat([head_lse, tail_lse])[local_order])
 
-    def _chunk_diagonal(self, q_pre, k_loc, v_loc, q_idx, cu_q):
-        """Causal attention of one chunk over its own (local) rows: (out, lse) [sum c, ...]."""
-        rows = q_idx.to(q_pre.device)
-        return self.ops.varlen_attention(q_pre[rows], k_loc[rows], v_loc[rows], cu_q, cu_q,
-                                         scale=self.scale, causal=True)
+    def _chunk_diagonal(self, q_pre, k_loc, v_loc, chunk, cu_q):
+        """One chunk's queries ``[sum c, H, D]`` and their causal attention over the chunk's
+        own (local) rows, ``(out, lse)`` (None with a sliding window: one call does all)."""
+        rows = chunk.q_idx.to(q_pre.device)
+        q_part = q_pre[rows]
+        if self.sliding_window is not None:
+            return q_part, None
+        return q_part, self.ops.varlen_attention(q_part, k_loc[rows], v_loc[rows], cu_q, cu_q,
+                                                 scale=self.scale, causal=True)
 
-    def _chunk_attention(self, q_pre, k_pre, v_pre, chunk, cu_q, diagonal):
-        """Attention of one chunk (a :class:`ChunkPlan`) over the restored prefill K/V: the keys
-        before it merged with its ``diagonal``, or with a sliding window one bottom-right
-        causal call over both."""
-        device = q_pre.device
-        q_part = q_pre[chunk.q_idx.to(device)]
+    def _chunk_attention(self, q_part, k_pre, v_pre, chunk, cu_q, diagonal):
+        """Attention of one chunk's queries ``q_part`` (a :class:`ChunkPlan`'s rows) over the
+        restored prefill K/V: the keys before it merged with its ``diagonal``, or with a
+        sliding window one bottom-right causal call over both."""
+        device = q_part.device
         if self.sliding_window is not None:
             kv_idx = chunk.kv_idx.to(device)
             return self.ops.varlen_attention(q_part, k_pre[kv_idx], v_pre[kv_idx], cu_q,
