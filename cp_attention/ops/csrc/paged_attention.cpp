@@ -73,6 +73,7 @@ struct MergeUnit {
 // Per-thread buffers, sized for the largest item.
 struct Scratch {
   std::vector<float> q_t;   // [groups][D][8] queries, transposed, pre-scaled
+  std::vector<float> q_rows;  // [groups * 8][D] the same queries, row-major (qk_dot)
   std::vector<float> acc;   // [groups * 8][D]
   std::vector<float> k_buf, v_buf;  // [kTileKeys][D] converted K/V rows
   std::vector<vi8> lo, hi;  // [groups] visible key range of each lane
@@ -82,6 +83,7 @@ struct Scratch {
   Scratch(int64_t max_rows, int64_t dim) {
     const int64_t groups = (max_rows + kLanes - 1) / kLanes;
     q_t.resize(groups * dim * kLanes);
+    q_rows.resize(groups * kLanes * dim);
     acc.resize(groups * kLanes * dim);
     k_buf.resize(kTileKeys * dim);
     v_buf.resize(kTileKeys * dim);
@@ -225,6 +227,80 @@ inline void qk_tile(const float* q_t, const float* keys, int64_t key_stride, int
   }
 }
 
+// Lane i of the result = the sum of the lanes of a[i] (a tree of in-lane shuffles and adds).
+inline vf8 reduce8(const vf8* a) {
+  vf8 pairs[4];  // pairs[i]: partial sums of a[2i] and a[2i + 1], interleaved
+  for (int i = 0; i < 4; ++i) {
+    const vf8 lo = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+    const vf8 hi = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+    pairs[i] = lo + hi;
+  }
+  vf8 quads[2];  // lane 4h + k of quads[i]: the sum of half h of a[4i + k]
+  for (int i = 0; i < 2; ++i) {
+    const vf8 p0 = pairs[2 * i], p1 = pairs[2 * i + 1];
+    const vf8 lo = __builtin_shufflevector(p0, p1, 0, 1, 8, 9, 4, 5, 12, 13);
+    const vf8 hi = __builtin_shufflevector(p0, p1, 2, 3, 10, 11, 6, 7, 14, 15);
+    quads[i] = lo + hi;
+  }
+  return __builtin_shufflevector(quads[0], quads[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+         __builtin_shufflevector(quads[0], quads[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+// scores[j][r] = q_r . K_j for R rows (dim apart) and J keys, as dot products with lanes over
+// d; scores[j]'s other lanes get 0. Steps `prefetch` once per K vector it loads.
+template <int R, int J>
+inline void qk_dot_block(const float* q, const float* keys, int64_t key_stride, int64_t dim,
+                         vf8* scores, TilePrefetcher& prefetch) {
+  static_assert(R * J <= kLanes, "one accumulator per (row, key), reduced by reduce8");
+  vf8 acc[kLanes] = {};  // acc[j * R + r]; the ones past R * J stay 0
+  const int64_t vec_end = dim - dim % kLanes;
+  for (int64_t d = 0; d < vec_end; d += kLanes) {
+    vf8 k[J];
+    for (int j = 0; j < J; ++j) {
+      prefetch.step();
+      k[j] = load8(keys + j * key_stride + d);
+    }
+    for (int r = 0; r < R; ++r) {
+      const vf8 qv = load8(q + r * dim + d);
+      for (int j = 0; j < J; ++j) acc[j * R + r] += qv * k[j];
+    }
+  }
+  const vf8 dots = reduce8(acc);
+  for (int j = 0; j < J; ++j) {
+    vf8 row = splat(0.f);
+    for (int r = 0; r < R; ++r) {
+      float x = dots[j * R + r];
+      for (int64_t d = vec_end; d < dim; ++d) x += q[r * dim + d] * keys[j * key_stride + d];
+      row[r] = x;
+    }
+    scores[j] = row;
+  }
+}
+
+template <int R>
+inline void qk_dot_rows(const float* q, const float* keys, int64_t key_stride, int n,
+                        int64_t dim, vf8* scores, TilePrefetcher& prefetch) {
+  constexpr int J = kLanes / R;
+  int j = 0;
+  for (; j + J <= n; j += J)
+    qk_dot_block<R, J>(q, keys + j * key_stride, key_stride, dim, scores + j, prefetch);
+  for (; j < n; ++j)
+    qk_dot_block<R, 1>(q, keys + j * key_stride, key_stride, dim, scores + j, prefetch);
+}
+
+// The scores of a lane group with at most kDotRows rows (decode with a GQA group of 1 to 4),
+// where qk_tile would leave half or more of its lanes idle: same result, lanes = rows.
+constexpr int kDotRows = 4;
+inline void qk_dot(const float* q_rows, int rows, const float* keys, int64_t key_stride, int n,
+                   int64_t dim, vf8* scores, TilePrefetcher& prefetch) {
+  switch (rows) {
+    case 1: return qk_dot_rows<1>(q_rows, keys, key_stride, n, dim, scores, prefetch);
+    case 2: return qk_dot_rows<2>(q_rows, keys, key_stride, n, dim, scores, prefetch);
+    case 3: return qk_dot_rows<3>(q_rows, keys, key_stride, n, dim, scores, prefetch);
+    default: return qk_dot_rows<4>(q_rows, keys, key_stride, n, dim, scores, prefetch);
+  }
+}
+
 // acc rows r0, r0+1 (columns [c0, c0 + 8 C)) += sum_j p[j][lane] * V_j.
 template <int C>
 inline void pv_two_rows(float* acc0, float* acc1, int lane0, const vf8* probs,
@@ -321,7 +397,8 @@ void run_item(const PagedProblem& pb, const WorkItem& item, Scratch& s, float* o
       const int64_t head = item.head * group + r % group;
       const float* qrow = pb.q + (t * pb.num_q_heads + head) * dim;
       float* qt = s.q_t.data() + g * dim * kLanes + lane;
-      for (int64_t d = 0; d < dim; ++d) qt[d * kLanes] = qrow[d] * pb.scale;
+      float* qr = s.q_rows.data() + r * dim;
+      for (int64_t d = 0; d < dim; ++d) qr[d] = qt[d * kLanes] = qrow[d] * pb.scale;
       const int64_t a = std::max(pb.row_lo[t], item.k0), b = std::min(pb.row_hi[t], item.k1);
       lo[lane] = static_cast<int32_t>(a);
       hi[lane] = static_cast<int32_t>(b);
@@ -373,8 +450,14 @@ void run_item(const PagedProblem& pb, const WorkItem& item, Scratch& s, float* o
 
     for (int64_t g = 0; g < groups; ++g) {
       if (grp_lo[g] >= t + n || grp_hi[g] <= t) continue;  // no lane sees this tile
-      qk_tile(s.q_t.data() + g * dim * kLanes, keys, k_row_stride, n, dim, s.scores,
-              prefetch);
+      const int lanes = static_cast<int>(std::min<int64_t>(kLanes, rows - g * kLanes));
+      if (lanes <= kDotRows) {
+        qk_dot(s.q_rows.data() + g * kLanes * dim, lanes, keys, k_row_stride, n, dim, s.scores,
+               prefetch);
+      } else {
+        qk_tile(s.q_t.data() + g * dim * kLanes, keys, k_row_stride, n, dim, s.scores,
+                prefetch);
+      }
       if (!(grp_all_lo[g] <= t && grp_all_hi[g] >= t + n)) {  // some lane sees part of it
         for (int j = 0; j < n; ++j) {
           const vi8 pos = splat_i(static_cast<int32_t>(t + j));
@@ -382,7 +465,6 @@ void run_item(const PagedProblem& pb, const WorkItem& item, Scratch& s, float* o
         }
       }
       const vf8 alpha = softmax_tile(s.state[g], s.scores, n);
-      const int lanes = static_cast<int>(std::min<int64_t>(kLanes, rows - g * kLanes));
       float* acc = s.acc.data() + g * kLanes * dim;
       for (int lane = 0; lane < lanes; ++lane) {
         const float f = alpha[lane];
