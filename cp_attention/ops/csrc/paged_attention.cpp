@@ -4,11 +4,13 @@
 // query rows of its chunk that share the KV head (GQA group x tokens, one row per vector lane,
 // 8 rows per lane group) and streams the keys of its range tile by tile straight from the
 // cache blocks: each K/V row is read once per item, in the cache's dtype, converted to float32
-// in a small L1 buffer (bf16/fp16) or used in place (fp32). Scores and probabilities are
-// lane-parallel over the rows, the online softmax rescales the float32 accumulators, and long
-// contexts are cut into several key ranges when threads would otherwise idle; those partials
-// are merged by their LSE at the end. Items are handed out dynamically to
-// at::get_num_threads() workers.
+// in a small L1 buffer (bf16/fp16) or used in place (fp32); the next tile's rows are
+// prefetched meanwhile (decode does ~4 flop per byte read: without the overlap the DRAM
+// reads stall it about as long as it computes). Scores and probabilities are lane-parallel
+// over the rows (a lane group of up to 4 rows gets its scores from dot products over d
+// instead), the online softmax rescales the float32 accumulators, and long contexts are cut
+// into several key ranges when threads would otherwise idle; those partials are merged by
+// their LSE at the end. Items are handed out dynamically to at::get_num_threads() workers.
 #include "paged_attention.h"
 
 #include <ATen/Parallel.h>
