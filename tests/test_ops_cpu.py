@@ -144,6 +144,24 @@ def test_long_context_split_over_threads(ops, threads, dtype):
                          None, None)
 
 
+@pytest.mark.parametrize("group", [2, 3, 5, 11])
+@pytest.mark.parametrize("d", [12, 72])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_and_key_remainders(ops, group, d, dtype):
+    """Lane groups of 1 to 7 rows (the dot-product score kernel takes those of up to 4), head
+    sizes that are not a multiple of 8 lanes, and key counts that are not a multiple of the
+    score kernels' key blocks, with ranges cutting tiles."""
+    gen = torch.Generator().manual_seed(group * 100 + d)
+    seq_lens, q_lens = [0, 1, 37, 300], [1, 2, 3, 1]
+    args, keys, values = paged_case(seq_lens, q_lens, 16, 2, group, d, dtype, True,
+                                    torch.int32, gen)
+    kv_start = torch.tensor([0, 0, 0, 3, 5, 9, 0])
+    kv_end = torch.tensor([1, 1, 1, 30, 36, 37, 299])
+    for ranges in [(None, None), (kv_start, kv_end)]:
+        out, lse = ops.paged_attention(*args, scale=0.2, kv_start=ranges[0], kv_end=ranges[1])
+        check_against_oracle(out, lse, args[0], keys, values, q_lens, seq_lens, 0.2, *ranges)
+
+
 def test_speculative_decode_rows_with_causal_offsets(ops):
     """Several queries per request, each with its own end (spec decode / chunked context)."""
     gen = torch.Generator().manual_seed(3)

@@ -4,11 +4,13 @@
 // query rows of its chunk that share the KV head (GQA group x tokens, one row per vector lane,
 // 8 rows per lane group) and streams the keys of its range tile by tile straight from the
 // cache blocks: each K/V row is read once per item, in the cache's dtype, converted to float32
-// in a small L1 buffer (bf16/fp16) or used in place (fp32). Scores and probabilities are
-// lane-parallel over the rows, the online softmax rescales the float32 accumulators, and long
-// contexts are cut into several key ranges when threads would otherwise idle; those partials
-// are merged by their LSE at the end. Items are handed out dynamically to
-// at::get_num_threads() workers.
+// in a small L1 buffer (bf16/fp16) or used in place (fp32); the next tile's rows are
+// prefetched meanwhile (decode does ~4 flop per byte read: without the overlap the DRAM
+// reads stall it about as long as it computes). Scores and probabilities are lane-parallel
+// over the rows (a lane group of up to 4 rows gets its scores from dot products over d
+// instead), the online softmax rescales the float32 accumulators, and long contexts are cut
+// into several key ranges when threads would otherwise idle; those partials are merged by
+// their LSE at the end. Items are handed out dynamically to at::get_num_threads() workers.
 #include "paged_attention.h"
 
 #include <ATen/Parallel.h>
@@ -73,6 +75,7 @@ struct MergeUnit {
 // Per-thread buffers, sized for the largest item.
 struct Scratch {
   std::vector<float> q_t;   // [groups][D][8] queries, transposed, pre-scaled
+  std::vector<float> q_rows;  // [groups * 8][D] the same queries, row-major (qk_dot)
   std::vector<float> acc;   // [groups * 8][D]
   std::vector<float> k_buf, v_buf;  // [kTileKeys][D] converted K/V rows
   std::vector<vi8> lo, hi;  // [groups] visible key range of each lane
@@ -82,6 +85,7 @@ struct Scratch {
   Scratch(int64_t max_rows, int64_t dim) {
     const int64_t groups = (max_rows + kLanes - 1) / kLanes;
     q_t.resize(groups * dim * kLanes);
+    q_rows.resize(groups * kLanes * dim);
     acc.resize(groups * kLanes * dim);
     k_buf.resize(kTileKeys * dim);
     v_buf.resize(kTileKeys * dim);
@@ -91,14 +95,94 @@ struct Scratch {
   }
 };
 
+// Keys [t, t + n) of an item: at most kTileKeys, all in one cache block.
+template <typename scalar_t>
+struct Tile {
+  const scalar_t* k = nullptr;  // first K row; rows are pb.k_stride[1] elements apart
+  const scalar_t* v = nullptr;  // first V row
+  int n = 0;                    // 0: no tile (t at the end, or a block id outside the cache)
+};
+
+template <typename scalar_t>
+Tile<scalar_t> locate_tile(const PagedProblem& pb, const WorkItem& item, int64_t t,
+                           int64_t k_end) {
+  if (t >= k_end) return {};
+  const int64_t bs = pb.block_size, offset = t % bs;
+  const int64_t block = pb.table.at(item.req, t / bs);
+  if (block < 0 || block >= pb.num_blocks) return {};
+  Tile<scalar_t> tile;
+  tile.k = reinterpret_cast<const scalar_t*>(pb.k_base) + block * pb.k_stride[0] +
+           offset * pb.k_stride[1] + item.head * pb.k_stride[2];
+  tile.v = reinterpret_cast<const scalar_t*>(pb.v_base) + block * pb.v_stride[0] +
+           offset * pb.v_stride[1] + item.head * pb.v_stride[2];
+  tile.n = static_cast<int>(std::min<int64_t>({kTileKeys, bs - offset, k_end - t}));
+  return tile;
+}
+
+// The cache lines of `rows` equally strided rows, handed out one per step().
+class RowLines {
+ public:
+  RowLines() = default;
+  RowLines(const void* base, int64_t stride_bytes, int64_t row_bytes, int rows)
+      : base_(static_cast<const char*>(base)), stride_(stride_bytes), row_bytes_(row_bytes),
+        rows_(rows) {}
+
+  void step() {
+    if (line_ >= row_end_) {  // this row is done: start the next one
+      if (row_ == rows_) return;
+      const char* start = base_ + row_++ * stride_;
+      line_ = start - reinterpret_cast<uintptr_t>(start) % kLineBytes;
+      row_end_ = start + row_bytes_;
+    }
+    __builtin_prefetch(line_);
+    line_ += kLineBytes;
+  }
+
+ private:
+  static constexpr int64_t kLineBytes = 64;
+  const char* base_ = nullptr;
+  int64_t stride_ = 0, row_bytes_ = 0;
+  int rows_ = 0, row_ = 0;
+  const char* line_ = nullptr;     // next line to prefetch
+  const char* row_end_ = nullptr;  // end of the current row
+};
+
+// Prefetches the next tile's K and V rows, one line (of K and of V in turn) per step(). The
+// steps are spread over the current tile's score loop so that the DRAM reads overlap its
+// arithmetic: the hardware prefetchers stop at every 4 KiB page (a cache block holds a few
+// of them), and bursts of prefetches stall the core (measured: one line per step beats two).
+class TilePrefetcher {
+ public:
+  TilePrefetcher() = default;  // nothing to prefetch
+  template <typename scalar_t>
+  TilePrefetcher(const PagedProblem& pb, const Tile<scalar_t>& tile)
+      : k_(tile.k, pb.k_stride[1] * sizeof(scalar_t), pb.dim * sizeof(scalar_t), tile.n),
+        v_(tile.v, pb.v_stride[1] * sizeof(scalar_t), pb.dim * sizeof(scalar_t), tile.n) {}
+
+  void step() {
+    value_turn_ = !value_turn_;
+    if (value_turn_) {
+      v_.step();
+    } else {
+      k_.step();
+    }
+  }
+
+ private:
+  RowLines k_, v_;
+  bool value_turn_ = true;  // K first
+};
+
 // scores[j] (lane i) = sum_d q_t[d][i] * K_j[d] for the n keys K_j = keys + j * key_stride.
+// Steps `prefetch` once per d and key block (enough for a tile of its dtype's rows).
 inline void qk_tile(const float* q_t, const float* keys, int64_t key_stride, int n,
-                    int64_t dim, vf8* scores) {
+                    int64_t dim, vf8* scores, TilePrefetcher& prefetch) {
   int j = 0;
   for (; j + 8 <= n; j += 8) {
     const float* k = keys + j * key_stride;
     vf8 a0 = splat(0.f), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
     for (int64_t d = 0; d < dim; ++d) {
+      prefetch.step();
       const vf8 qv = load8(q_t + d * kLanes);
       a0 += qv * splat(k[d]);
       a1 += qv * splat(k[key_stride + d]);
@@ -117,6 +201,7 @@ inline void qk_tile(const float* q_t, const float* keys, int64_t key_stride, int
     vf8 a0 = splat(0.f), a1 = a0, b0 = a0, b1 = a0;
     int64_t d = 0;
     for (; d + 2 <= dim; d += 2) {
+      prefetch.step();
       const vf8 q0 = load8(q_t + d * kLanes), q1 = load8(q_t + (d + 1) * kLanes);
       a0 += q0 * splat(k[d]);
       b0 += q1 * splat(k[d + 1]);
@@ -135,11 +220,86 @@ inline void qk_tile(const float* q_t, const float* keys, int64_t key_stride, int
     vf8 a0 = splat(0.f), a1 = a0;
     int64_t d = 0;
     for (; d + 2 <= dim; d += 2) {
+      prefetch.step();
       a0 += load8(q_t + d * kLanes) * splat(k[d]);
       a1 += load8(q_t + (d + 1) * kLanes) * splat(k[d + 1]);
     }
     for (; d < dim; ++d) a0 += load8(q_t + d * kLanes) * splat(k[d]);
     scores[j] = a0 + a1;
+  }
+}
+
+// Lane i of the result = the sum of the lanes of a[i] (a tree of in-lane shuffles and adds).
+inline vf8 reduce8(const vf8* a) {
+  vf8 pairs[4];  // pairs[i]: partial sums of a[2i] and a[2i + 1], interleaved
+  for (int i = 0; i < 4; ++i) {
+    const vf8 lo = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+    const vf8 hi = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+    pairs[i] = lo + hi;
+  }
+  vf8 quads[2];  // lane 4h + k of quads[i]: the sum of half h of a[4i + k]
+  for (int i = 0; i < 2; ++i) {
+    const vf8 p0 = pairs[2 * i], p1 = pairs[2 * i + 1];
+    const vf8 lo = __builtin_shufflevector(p0, p1, 0, 1, 8, 9, 4, 5, 12, 13);
+    const vf8 hi = __builtin_shufflevector(p0, p1, 2, 3, 10, 11, 6, 7, 14, 15);
+    quads[i] = lo + hi;
+  }
+  return __builtin_shufflevector(quads[0], quads[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+         __builtin_shufflevector(quads[0], quads[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+// scores[j][r] = q_r . K_j for R rows (dim apart) and J keys, as dot products with lanes over
+// d; scores[j]'s other lanes get 0. Steps `prefetch` once per K vector it loads.
+template <int R, int J>
+inline void qk_dot_block(const float* q, const float* keys, int64_t key_stride, int64_t dim,
+                         vf8* scores, TilePrefetcher& prefetch) {
+  static_assert(R * J <= kLanes, "one accumulator per (row, key), reduced by reduce8");
+  vf8 acc[kLanes] = {};  // acc[j * R + r]; the ones past R * J stay 0
+  const int64_t vec_end = dim - dim % kLanes;
+  for (int64_t d = 0; d < vec_end; d += kLanes) {
+    vf8 k[J];
+    for (int j = 0; j < J; ++j) {
+      prefetch.step();
+      k[j] = load8(keys + j * key_stride + d);
+    }
+    for (int r = 0; r < R; ++r) {
+      const vf8 qv = load8(q + r * dim + d);
+      for (int j = 0; j < J; ++j) acc[j * R + r] += qv * k[j];
+    }
+  }
+  const vf8 dots = reduce8(acc);
+  for (int j = 0; j < J; ++j) {
+    vf8 row = splat(0.f);
+    for (int r = 0; r < R; ++r) {
+      float x = dots[j * R + r];
+      for (int64_t d = vec_end; d < dim; ++d) x += q[r * dim + d] * keys[j * key_stride + d];
+      row[r] = x;
+    }
+    scores[j] = row;
+  }
+}
+
+template <int R>
+inline void qk_dot_rows(const float* q, const float* keys, int64_t key_stride, int n,
+                        int64_t dim, vf8* scores, TilePrefetcher& prefetch) {
+  constexpr int J = kLanes / R;
+  int j = 0;
+  for (; j + J <= n; j += J)
+    qk_dot_block<R, J>(q, keys + j * key_stride, key_stride, dim, scores + j, prefetch);
+  for (; j < n; ++j)
+    qk_dot_block<R, 1>(q, keys + j * key_stride, key_stride, dim, scores + j, prefetch);
+}
+
+// The scores of a lane group with at most kDotRows rows (decode with a GQA group of 1 to 4),
+// where qk_tile would leave half or more of its lanes idle: same result, lanes = rows.
+constexpr int kDotRows = 4;
+inline void qk_dot(const float* q_rows, int rows, const float* keys, int64_t key_stride, int n,
+                   int64_t dim, vf8* scores, TilePrefetcher& prefetch) {
+  switch (rows) {
+    case 1: return qk_dot_rows<1>(q_rows, keys, key_stride, n, dim, scores, prefetch);
+    case 2: return qk_dot_rows<2>(q_rows, keys, key_stride, n, dim, scores, prefetch);
+    case 3: return qk_dot_rows<3>(q_rows, keys, key_stride, n, dim, scores, prefetch);
+    default: return qk_dot_rows<4>(q_rows, keys, key_stride, n, dim, scores, prefetch);
   }
 }
 
@@ -239,7 +399,8 @@ void run_item(const PagedProblem& pb, const WorkItem& item, Scratch& s, float* o
       const int64_t head = item.head * group + r % group;
       const float* qrow = pb.q + (t * pb.num_q_heads + head) * dim;
       float* qt = s.q_t.data() + g * dim * kLanes + lane;
-      for (int64_t d = 0; d < dim; ++d) qt[d * kLanes] = qrow[d] * pb.scale;
+      float* qr = s.q_rows.data() + r * dim;
+      for (int64_t d = 0; d < dim; ++d) qr[d] = qt[d * kLanes] = qrow[d] * pb.scale;
       const int64_t a = std::max(pb.row_lo[t], item.k0), b = std::min(pb.row_hi[t], item.k1);
       lo[lane] = static_cast<int32_t>(a);
       hi[lane] = static_cast<int32_t>(b);
@@ -263,19 +424,17 @@ void run_item(const PagedProblem& pb, const WorkItem& item, Scratch& s, float* o
     k_end = std::max(k_end, grp_hi[g]);
   }
 
-  const int64_t bs = pb.block_size;
+  Tile<scalar_t> tile = locate_tile<scalar_t>(pb, item, k_begin, k_end);
   for (int64_t t = k_begin; t < k_end;) {
-    const int64_t offset = t % bs;
-    const int n = static_cast<int>(std::min<int64_t>({kTileKeys, bs - offset, k_end - t}));
-    const int64_t block = pb.table.at(item.req, t / bs);
-    if (block < 0 || block >= pb.num_blocks) {
+    if (tile.n == 0) {
       bad_block.store(true);
       return;
     }
-    const scalar_t* k_src = reinterpret_cast<const scalar_t*>(pb.k_base) +
-        block * pb.k_stride[0] + offset * pb.k_stride[1] + item.head * pb.k_stride[2];
-    const scalar_t* v_src = reinterpret_cast<const scalar_t*>(pb.v_base) +
-        block * pb.v_stride[0] + offset * pb.v_stride[1] + item.head * pb.v_stride[2];
+    const int n = tile.n;
+    const scalar_t* k_src = tile.k;
+    const scalar_t* v_src = tile.v;
+    tile = locate_tile<scalar_t>(pb, item, t + n, k_end);
+    TilePrefetcher prefetch(pb, tile);
     const float* keys;
     const float* values;
     int64_t k_row_stride, v_row_stride;
@@ -293,7 +452,14 @@ void run_item(const PagedProblem& pb, const WorkItem& item, Scratch& s, float* o
 
     for (int64_t g = 0; g < groups; ++g) {
       if (grp_lo[g] >= t + n || grp_hi[g] <= t) continue;  // no lane sees this tile
-      qk_tile(s.q_t.data() + g * dim * kLanes, keys, k_row_stride, n, dim, s.scores);
+      const int lanes = static_cast<int>(std::min<int64_t>(kLanes, rows - g * kLanes));
+      if (lanes <= kDotRows) {
+        qk_dot(s.q_rows.data() + g * kLanes * dim, lanes, keys, k_row_stride, n, dim, s.scores,
+               prefetch);
+      } else {
+        qk_tile(s.q_t.data() + g * dim * kLanes, keys, k_row_stride, n, dim, s.scores,
+                prefetch);
+      }
       if (!(grp_all_lo[g] <= t && grp_all_hi[g] >= t + n)) {  // some lane sees part of it
         for (int j = 0; j < n; ++j) {
           const vi8 pos = splat_i(static_cast<int32_t>(t + j));
@@ -301,7 +467,6 @@ void run_item(const PagedProblem& pb, const WorkItem& item, Scratch& s, float* o
         }
       }
       const vf8 alpha = softmax_tile(s.state[g], s.scores, n);
-      const int lanes = static_cast<int>(std::min<int64_t>(kLanes, rows - g * kLanes));
       float* acc = s.acc.data() + g * kLanes * dim;
       for (int lane = 0; lane < lanes; ++lane) {
         const float f = alpha[lane];
