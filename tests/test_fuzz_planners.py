@@ -94,7 +94,8 @@ def test_single_prefill_edges(pcp: int, tokens: int, kv_shard: str) -> None:
 
 
 def test_invariant_checker_catches_a_corrupted_plan() -> None:
-    """The checker can fail: one slot moved, one token dropped, a broken restore index."""
+    """The checker can fail: one slot moved, one token dropped, a broken restore index, a pad
+    mask that lost its pads."""
     config = CPConfig(pcp_size=2, dcp_size=2, tp_size=2, block_size=4)
     step, num_blocks = make_step(config, [(5, 1), (0, 13), (9, 6)], 0, 0)
 
@@ -113,12 +114,18 @@ def test_invariant_checker_catches_a_corrupted_plan() -> None:
         row = int(torch.nonzero(meta.local_token_idx[meta.num_decode_tokens:] >= 0)[0])
         meta.local_token_idx[meta.num_decode_tokens + row] = -1
         meta.positions[meta.num_decode_tokens + row] = 0
+        meta.pad_rows = meta.local_token_idx[:meta.num_actual_tokens] < 0  # consistent mask
+
+    def forget_pad(metas):
+        meta = next(m for m in metas.values() if m.pad_rows is not None)
+        meta.pad_rows = None
 
     def break_restore(metas):
         restore = metas[(0, 0)].pcp.pcp_allgather_restore_idx
         restore[[0, 1]] = restore[[1, 0]]
 
     for mutate, fragment in ((move_slot, "has slot"), (drop_token, "computed on 0 rows"),
-                             (break_restore, "inverse of the restore index")):
+                             (break_restore, "inverse of the restore index"),
+                             (forget_pad, "pad_rows disagrees")):
         with pytest.raises(StepError, match=fragment):
             validate_rank_plans(step, config, corrupted(mutate))

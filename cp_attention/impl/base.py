@@ -104,10 +104,10 @@ class BaseAttentionImpl:
         q = query[:rows].reshape(rows, self.num_heads, dim)
         k = key[:rows].reshape(rows, self.num_kv_heads, dim)
         v = value[:rows].reshape(rows, self.num_kv_heads, dim)
-        pad_rows = meta.local_token_idx[:rows].to(q.device) < 0
-        if bool(pad_rows.any()):  # padding may hold anything: keep it out of the sums
-            k = k.masked_fill(pad_rows[:, None, None], 0)
-            v = v.masked_fill(pad_rows[:, None, None], 0)
+        pad_rows = None if meta.pad_rows is None else meta.pad_rows.to(q.device)[:, None, None]
+        if pad_rows is not None:  # padding may hold anything: keep it out of the sums
+            k = k.masked_fill(pad_rows, 0)
+            v = v.masked_fill(pad_rows, 0)
 
         step_kv = self._step_kv(k, v, meta)  # CP: an all-gather, overlapped with attention
         out, lse = self._self_attention(q, k, v, step_kv, meta)
@@ -124,10 +124,12 @@ class BaseAttentionImpl:
             ctx_out, ctx_lse = self._combine_context(ctx_out, ctx_lse, meta)
             out, lse = self.ops.merge_attn_states(out, lse, ctx_out.to(out.dtype), ctx_lse.to(lse.dtype))
 
-        out = out.masked_fill(pad_rows[:, None, None], 0)
+        if pad_rows is not None:
+            out = out.masked_fill(pad_rows, 0)
         out_view = output.view(output.shape[0], -1)
-        out_view[:rows] = out.reshape(rows, -1).to(output.dtype)
-        out_view[rows:] = 0
+        out_view[:rows] = out.reshape(rows, -1)
+        if rows < output.shape[0]:
+            out_view[rows:] = 0
         return output
 
     def _self_attention(self, q, k, v, step_kv, meta):

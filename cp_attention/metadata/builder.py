@@ -45,6 +45,7 @@ class AttentionMetadata:
     num_input_tokens: int  # rows of the layer's buffers (>= num_actual_tokens; graph padding)
     local_token_idx: torch.Tensor  # [num_input_tokens] global token index of each row, -1 = pad
     positions: torch.Tensor  # [num_input_tokens] RoPE position of each row (0 for pads)
+    pad_rows: torch.Tensor | None  # [num_actual_tokens] bool, True on PCP pads; None: no pads
     decode_cu_seqlens: torch.Tensor  # [Nd + 1] over the decode rows
     prefill_cu_seqlens: torch.Tensor  # [Np + 1] over the local prefill rows
     pcp: PCPSplit | None  # head/tail split when pcp_size > 1
@@ -57,7 +58,6 @@ class AttentionMetadata:
     ctx_seq_lens: torch.Tensor  # [R] cached tokens of each request held by this rank
     ctx_kv_start: torch.Tensor | None  # [context rows] local visible range (sliding window)
     ctx_kv_end: torch.Tensor | None
-    batch_seq_mask: torch.Tensor  # [R] bool, True where this rank holds no context of the request
     num_computed_tokens_of_pcp_dcp: np.ndarray  # [R, pcp, dcp] local context lengths, batch order
     sliding_window: int | None
 
@@ -69,6 +69,12 @@ class AttentionMetadata:
         rows = new_lens if self.pcp is None else 2 * self.pcp.pcp_size * self.pcp.chunk_lens
         first_row = self.num_decode_tokens + cumsum0(rows)[:-1]
         return torch.from_numpy(ranges_concat(first_row, new_lens))
+
+    @property
+    def batch_seq_mask(self) -> torch.Tensor:
+        """[R] bool, True where this rank holds no context of the request (vLLM-Ascend's
+        name; no kernel here reads it)."""
+        return self.ctx_seq_lens == 0
 
     @property
     def num_reqs(self) -> int:
@@ -127,9 +133,9 @@ def pcp_local_rows(prefills: np.ndarray, new_lens: np.ndarray, split: PCPSplit) 
     start = np.empty((len(c), 2), dtype=np.int64)
     start[:, 0], start[:, 1] = split.head_chunk * c, split.tail_chunk * c
     start = start.reshape(-1)
-    length = np.repeat(c, 2)
-    real = np.minimum(np.maximum(np.repeat(new_lens, 2) - start, 0), length)
-    return RowLayout(np.repeat(prefills, 2), start, length, real)
+    length = c.repeat(2)
+    real = np.minimum(np.maximum(new_lens.repeat(2) - start, 0), length)
+    return RowLayout(prefills.repeat(2), start, length, real)
 
 
 # -- stages ---------------------------------------------------------------------------------
@@ -156,9 +162,11 @@ def plan_prefills(prefills: np.ndarray, new_lens: np.ndarray, pcp_size: int, pcp
                        whole_requests(prefills, new_lens, padded), 2 * split.chunk_lens)
 
 
-def token_rows(rows: RowLayout, step: StepSpec, num_input: int) -> tuple[np.ndarray, np.ndarray]:
+def token_rows(rows: RowLayout, step: StepSpec, num_input: int
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """[num_input] (global token index, RoPE position) of each row; -1 / 0 on pads and on the
-    ``num_input - rows.num_rows`` trailing graph-padding rows."""
+    ``num_input - rows.num_rows`` trailing graph-padding rows; and the [rows] pad mask (None
+    when every row is real)."""
     tokens = rows.ranges(step.cu_new_tokens[rows.req] + rows.start)
     positions = tokens + (step.computed - step.cu_new_tokens[:-1])[rows.req].repeat(rows.length)
     pads = rows.pad_rows()
@@ -169,7 +177,7 @@ def token_rows(rows: RowLayout, step: StepSpec, num_input: int) -> tuple[np.ndar
     if extra:
         tokens = np.concatenate([tokens, np.full(extra, -1, dtype=np.int64)])
         positions = np.concatenate([positions, np.zeros(extra, dtype=np.int64)])
-    return tokens, positions
+    return tokens, positions, pads
 
 
 def step_slot_mapping(rows: RowLayout, cu_rows: np.ndarray, step: StepSpec,
@@ -236,9 +244,7 @@ def kv_shard_grid(config: CPConfig) -> np.ndarray:
     return pcp * config.dcp_size + dcp if config.kv_shard == "cp" else 0 * pcp + dcp
 
 
-def _t(array: np.ndarray) -> torch.Tensor:
-    """An int64 (or bool) array as a CPU tensor sharing its memory."""
-    return torch.from_numpy(array)
+_t = torch.from_numpy  # an int64 (or bool) array as a CPU tensor sharing its memory
 
 
 class MetadataBuilder:
@@ -296,7 +302,7 @@ class MetadataBuilder:
         if num_input < num_actual:
             raise ValueError(f"num_input_tokens ({num_input}) is smaller than the {num_actual} "
                              f"rows this rank computes")
-        tokens, positions = token_rows(local_rows, step, num_input)
+        tokens, positions, pads = token_rows(local_rows, step, num_input)
         slots = step_slot_mapping(step_rows, cu_step, step, table, cfg, self.kv_rank)
         order = np.concatenate([decodes, prefills])
         ctx = plan_context(step, cfg, self.ranks, self._shard_grid, order,
@@ -306,9 +312,10 @@ class MetadataBuilder:
             kv_start, kv_end = map(_t, window_ranges(ctx.rows, step, self.sliding_window, cfg,
                                                      self.kv_rank))
         decodes_first = num_dec == 0 or decodes[-1] == num_dec - 1
+        has_context = bool(step.computed.any())
 
         return AttentionMetadata(
-            state=classify_state(step, is_decode),
+            state=classify_state(step.num_reqs, num_dec, num_dec_rows, has_context),
             decode_reqs=decodes,
             prefill_reqs=prefills,
             num_decode_tokens=num_dec_rows,
@@ -316,12 +323,13 @@ class MetadataBuilder:
             num_input_tokens=num_input,
             local_token_idx=_t(tokens),
             positions=_t(positions),
+            pad_rows=None if pads is None else _t(pads),
             decode_cu_seqlens=_t(cu_local[:num_dec + 1]),
             prefill_cu_seqlens=_t(cu_local[num_dec:] - num_dec_rows),
             pcp=pre.split,
             prefill_real_cu_seqlens=_t(cumsum0(new_lens)),
             step_slot_mapping=_t(slots),
-            has_context=bool(step.computed.any()),
+            has_context=has_context,
             ctx_over_pcp=ctx.over_pcp,
             ctx_cu_seqlens=_t(ctx.cu_rows),
             ctx_block_table=(block_table if decodes_first
@@ -329,7 +337,6 @@ class MetadataBuilder:
             ctx_seq_lens=_t(ctx.seq_lens),
             ctx_kv_start=kv_start,
             ctx_kv_end=kv_end,
-            batch_seq_mask=_t(ctx.seq_lens == 0),
             num_computed_tokens_of_pcp_dcp=ctx.per_rank,
             sliding_window=self.sliding_window,
         )

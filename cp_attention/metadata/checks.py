@@ -155,6 +155,10 @@ def validate_rank_plans(step: StepSpec, config: CPConfig, metas: dict) -> None:
                 fail(f"rank ({p},{d}): positions do not match local_token_idx")
             if (pos[~real] != 0).any():
                 fail(f"rank ({p},{d}): pad rows have non-zero positions")
+            pads = ~real[:meta.num_actual_tokens]
+            if (meta.pad_rows is None and pads.any()) or (
+                    meta.pad_rows is not None and not np.array_equal(meta.pad_rows.numpy(), pads)):
+                fail(f"rank ({p},{d}): pad_rows disagrees with local_token_idx")
             dec = idx[:meta.num_decode_tokens]
             decode_tokens = dec if decode_tokens is None else decode_tokens
             if not np.array_equal(dec, decode_tokens) or (dec < 0).any():
@@ -222,8 +226,6 @@ def _check_rank_ranges(meta, cfg: CPConfig, computed: np.ndarray, p: int,
     lens = local_count(computed[order], shard, cfg.kv_world, cfg.cp_kv_interleave_size)
     if not np.array_equal(meta.ctx_seq_lens.numpy(), lens):
         fail(f"{where}: ctx_seq_lens {meta.ctx_seq_lens.tolist()} != {lens.tolist()}")
-    if not np.array_equal(meta.batch_seq_mask.numpy(), lens == 0):
-        fail(f"{where}: batch_seq_mask disagrees with ctx_seq_lens")
     if not np.array_equal(meta.num_computed_tokens_of_pcp_dcp[:, p, d],
                           local_count(computed, shard, cfg.kv_world, cfg.cp_kv_interleave_size)):
         fail(f"{where}: num_computed_tokens_of_pcp_dcp[:, {p}, {d}] disagrees with ctx lengths")

@@ -96,10 +96,12 @@ class StepSpec:
     def num_reqs(self) -> int:
         return len(self.num_scheduled_tokens)
 
-    @property
+    @cached_property
     def seq_lens(self) -> np.ndarray:
-        """[R] int64 context + new tokens."""
-        return self.computed + self.scheduled
+        """[R] int64 context + new tokens (read-only)."""
+        out = self.computed + self.scheduled
+        out.flags.writeable = False
+        return out
 
     @property
     def num_new_tokens(self) -> int:
@@ -111,14 +113,16 @@ def decode_mask(spec: StepSpec, decode_threshold: int) -> np.ndarray:
     return (spec.computed > 0) & (spec.scheduled <= decode_threshold)
 
 
-def classify_state(spec: StepSpec, is_decode: np.ndarray) -> AttentionState:
-    """The attention state of a step whose decodes are ``is_decode`` ([R] bool)."""
-    if is_decode.all():
-        one_token = bool((spec.scheduled == 1).all())
+def classify_state(num_reqs: int, num_decodes: int, num_decode_tokens: int,
+                   has_context: bool) -> AttentionState:
+    """The attention state of a step of ``num_reqs`` requests, ``num_decodes`` of them decodes
+    with ``num_decode_tokens`` new tokens in all; ``has_context``: some request has cached
+    tokens."""
+    if num_decodes == num_reqs:
+        one_token = num_decode_tokens == num_decodes
         return AttentionState.DecodeOnly if one_token else AttentionState.SpecDecoding
-    if not is_decode.any():
-        cache_hit = bool((spec.computed > 0).any())
-        return AttentionState.PrefillCacheHit if cache_hit else AttentionState.PrefillNoCache
+    if num_decodes == 0:
+        return AttentionState.PrefillCacheHit if has_context else AttentionState.PrefillNoCache
     return AttentionState.ChunkedPrefill
 
 

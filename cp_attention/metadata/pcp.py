@@ -35,9 +35,7 @@ class ChunkPlan(NamedTuple):
     cu_seqlens_k: torch.Tensor  # [P + 1] (k + 1) * C
 
 
-def _tensor(array: np.ndarray) -> torch.Tensor:
-    """An int64 array as a tensor sharing its memory."""
-    return torch.from_numpy(array)
+_tensor = torch.from_numpy  # an int64 array as a tensor sharing its memory
 
 
 @dataclass(frozen=True)
@@ -171,7 +169,7 @@ def restore_index(chunk_lens: np.ndarray, pcp_size: int) -> np.ndarray:
     """
     c = chunk_lens
     sender, is_tail = _senders_of_chunks(pcp_size)
-    starts = np.outer(c, is_tail)  # [P, 2 pcp]
+    starts = c[:, None] * is_tail  # [P, 2 pcp]
     starts += sender * (2 * int(c.sum()))
     starts += (2 * (c.cumsum() - c))[:, None]
     return ranges_concat(starts.reshape(-1), c.repeat(2 * pcp_size))
