@@ -11,8 +11,8 @@ public backend classes (builder + impl forward; correctness is covered by the te
 ``launch/run_cp.py --check``). Single-device baselines in this process, 1 thread:
 ``F.scaled_dot_product_attention`` (what a user without CP runs) and the bare op
 ``get_ops("cpu").varlen_attention`` (the pcp=1 layer's kernel; ``pcp1_over_bare_op`` is the
-layer's overhead: cache write, masks, bookkeeping). Minimum over repeats; process CPU seconds are reported next to
-wall time because other users of the 2 cores inflate wall time.
+layer's overhead: cache write, masks, bookkeeping). Minimum over repeats; process CPU seconds
+are reported next to wall time because other users of the 2 cores inflate wall time.
 
     python -m benchmarks.bench_speed --out results/
 """

@@ -297,7 +297,8 @@ class MetadataBuilder:
         # [R + 1] rows before each request (decodes, then prefills), local and step rows
         cu_local = cumsum0(np.concatenate([dec_lens, pre.local_rows_per_req]))
         cu_step = cu_local if pre.split is None else cumsum0(step_rows.length)
-        num_dec, num_dec_rows, num_actual = len(decodes), int(cu_local[len(decodes)]), int(cu_local[-1])
+        num_dec = len(decodes)
+        num_dec_rows, num_actual = int(cu_local[num_dec]), int(cu_local[-1])
         num_input = num_actual if num_input_tokens is None else num_input_tokens
         if num_input < num_actual:
             raise ValueError(f"num_input_tokens ({num_input}) is smaller than the {num_actual} "

@@ -136,14 +136,16 @@ def cumsum0(lengths: np.ndarray) -> np.ndarray:
 _LARGE_OUTPUT = 1 << 16  # rows from which avoiding an output-sized temporary pays
 
 
-def ranges_concat(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+def ranges_concat(starts: np.ndarray, lengths: np.ndarray, equal: bool | None = None
+                  ) -> np.ndarray:
     """[sum(lengths)] int64: the concatenation of ``arange(s, s + n)`` for each (s, n).
 
     starts, lengths: [n] int64 arrays (lengths >= 0). Written with as few numpy calls as
     possible (each costs microseconds; the planner makes several per step): one output-sized
     ``arange`` shifted in place by each segment's ``start - offset``. Large outputs made of
     equal segments are shifted without an output-sized temporary (fresh memory is faulted in
-    page by page, which dominates the cost of a 128k-row index).
+    page by page, which dominates the cost of a 128k-row index). ``equal``: the caller knows
+    whether all lengths are equal (None: checked here for large outputs only).
     """
     if len(lengths) == 1:
         return np.arange(starts[0], starts[0] + lengths[0], dtype=np.int64)
@@ -151,7 +153,9 @@ def ranges_concat(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     total = int(ends[-1]) if len(ends) else 0
     out = np.arange(total, dtype=np.int64)
     shift = starts + lengths - ends
-    if total >= _LARGE_OUTPUT and (lengths == lengths[0]).all():
+    if equal is None:
+        equal = total >= _LARGE_OUTPUT and bool((lengths == lengths[0]).all())
+    if equal and total:
         out.reshape(len(lengths), -1)[...] += shift[:, None]
     else:
         out += shift.repeat(lengths)

@@ -160,33 +160,37 @@ def chunk_lens_for(new_lens: np.ndarray, pcp_size: int) -> np.ndarray:
     return (np.asarray(new_lens, dtype=np.int64) + (2 * pcp_size - 1)) // (2 * pcp_size)
 
 
-def restore_index(chunk_lens: np.ndarray, pcp_size: int) -> np.ndarray:
+def restore_index(chunk_lens: np.ndarray, pcp_size: int, equal: bool | None = None
+                  ) -> np.ndarray:
     """[pcp * 2 sum c] gathered row of each restored row (closed form per chunk).
 
     Restored row ``(i, k, j)`` (prefill i, chunk k, row j) was sent by rank ``q(k)`` (``k`` or
     ``2 pcp - 1 - k``) as its head (``k < pcp``) or tail chunk: gathered row
-    ``q(k) * 2 sum c + 2 C[i] + [k >= pcp] c[i] + j``.
+    ``q(k) * 2 sum c + 2 C[i] + [k >= pcp] c[i] + j``. ``equal``: all ``c`` are equal
+    (None: unknown), as for :func:`ranges_concat`.
     """
     c = chunk_lens
     sender, is_tail = _senders_of_chunks(pcp_size)
     starts = c[:, None] * is_tail  # [P, 2 pcp]
     starts += sender * (2 * int(c.sum()))
     starts += (2 * (c.cumsum() - c))[:, None]
-    return ranges_concat(starts.reshape(-1), c.repeat(2 * pcp_size))
+    return ranges_concat(starts.reshape(-1), c.repeat(2 * pcp_size), equal)
 
 
-def scatter_index(chunk_lens: np.ndarray, pcp_size: int) -> np.ndarray:
+def scatter_index(chunk_lens: np.ndarray, pcp_size: int, equal: bool | None = None
+                  ) -> np.ndarray:
     """[pcp * 2 sum c] restored row of each gathered row: the inverse of :func:`restore_index`.
 
     Gathered row ``(q, i, h, j)`` (rank q, prefill i, head/tail h, row j) is restored row
     ``2 pcp C[i] + k c[i] + j`` with ``k = q`` (head) or ``2 pcp - 1 - q`` (tail).
+    ``equal`` as for :func:`restore_index`.
     """
     c = chunk_lens
     starts = _chunks_of_ranks(pcp_size) * c[:, None]  # [pcp, P, 2]
     starts += (2 * pcp_size * (c.cumsum() - c))[:, None]
     lengths = np.empty((pcp_size, len(c), 2), dtype=np.int64)
     lengths[...] = c[:, None]
-    return ranges_concat(starts.reshape(-1), lengths.reshape(-1))
+    return ranges_concat(starts.reshape(-1), lengths.reshape(-1), equal)
 
 
 @functools.lru_cache(maxsize=16)
@@ -228,6 +232,7 @@ def plan_pcp_split(new_lens: np.ndarray, pcp_size: int, pcp_rank: int, windowed:
     q_full = np.empty(2 * total, dtype=np.int64)  # local row -> row of cat(head, tail)
     q_full[q_head] = chunk_rows
     q_full[q_tail] = chunk_rows + total
+    equal = len(c) < 2 or bool(c.min() == c.max())  # every index below has segments of c rows
     head_kv = tail_kv = None
     if windowed:
         head_kv = _tensor(ranges_concat(restored_start, (head + 1) * c))
@@ -240,14 +245,14 @@ def plan_pcp_split(new_lens: np.ndarray, pcp_size: int, pcp_rank: int, windowed:
         q_head_idx=_tensor(q_head),
         q_tail_idx=_tensor(q_tail),
         q_full_idx=_tensor(q_full),
-        kv_with_q_head_nomask_idx=_tensor(ranges_concat(restored_start, head * c)),
-        kv_with_q_tail_nomask_idx=_tensor(ranges_concat(restored_start, tail * c)),
+        kv_with_q_head_nomask_idx=_tensor(ranges_concat(restored_start, head * c, equal)),
+        kv_with_q_tail_nomask_idx=_tensor(ranges_concat(restored_start, tail * c, equal)),
         head_nomask_cu_seqlens_k=_tensor(head * cu),
         tail_nomask_cu_seqlens_k=_tensor(tail * cu),
         kv_with_q_head_idx=head_kv,
         kv_with_q_tail_idx=tail_kv,
         head_cu_seqlens_k=_tensor((head + 1) * cu),
         tail_cu_seqlens_k=_tensor((tail + 1) * cu),
-        pcp_allgather_restore_idx=_tensor(restore_index(c, pcp_size)),
-        pcp_allgather_scatter_idx=_tensor(scatter_index(c, pcp_size)),
+        pcp_allgather_restore_idx=_tensor(restore_index(c, pcp_size, equal)),
+        pcp_allgather_scatter_idx=_tensor(scatter_index(c, pcp_size, equal)),
     )

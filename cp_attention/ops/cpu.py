@@ -2,8 +2,9 @@
 
 ``paged_attention``, ``reshape_and_cache`` and ``merge_attn_states`` (float32 partials) run the
 C++ kernels of ``ops/csrc`` (built on first use by :mod:`cp_attention.ops.cpu_build`): the
-paged cache is read in place, in its own dtype, with float32 accumulation. ``varlen_attention`` uses the C++ prefill kernel when the
-extension has one, ``ReferenceOps`` otherwise. float64 inputs go to ``ReferenceOps`` (the
+paged cache is read in place, in its own dtype, with float32 accumulation.
+``varlen_attention`` uses the C++ prefill kernel when the extension has one, ``ReferenceOps``
+otherwise. float64 inputs go to ``ReferenceOps`` (the
 oracle's precision). Checks here are O(1) (shapes, dtypes); value checks are the caller's.
 """
 from __future__ import annotations
