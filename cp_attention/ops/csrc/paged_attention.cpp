@@ -539,6 +539,18 @@ void run_dynamic(int64_t n, const F& work) {
   });
 }
 
+// The two caches of paged_attention_cpu / reshape_and_cache_cpu: one 4-D shape and dtype,
+// head_size contiguous (the other strides are free: the vLLM plugin's views).
+void check_cache_pair(const at::Tensor& key_cache, const at::Tensor& value_cache) {
+  TORCH_CHECK_VALUE(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
+                    "key_cache/value_cache must be [num_blocks, block_size, Hkv, D] of one "
+                    "shape, got ", key_cache.sizes(), " and ", value_cache.sizes());
+  TORCH_CHECK_VALUE(key_cache.scalar_type() == value_cache.scalar_type(),
+                    "key_cache and value_cache dtypes differ");
+  TORCH_CHECK_VALUE(key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
+                    "the caches' head_size dimension must be contiguous");
+}
+
 }  // namespace
 }  // namespace cp_attention
 
@@ -550,13 +562,7 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cpu(
     const at::Tensor& seq_lens_in, double scale, const std::optional<at::Tensor>& kv_start,
     const std::optional<at::Tensor>& kv_end) {
   TORCH_CHECK_VALUE(q_in.dim() == 3, "q must be [T, Hq, D], got ", q_in.sizes());
-  TORCH_CHECK_VALUE(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
-                    "key_cache/value_cache must be [num_blocks, block_size, Hkv, D] of one "
-                    "shape, got ", key_cache.sizes(), " and ", value_cache.sizes());
-  TORCH_CHECK_VALUE(key_cache.scalar_type() == value_cache.scalar_type(),
-                    "key_cache and value_cache dtypes differ");
-  TORCH_CHECK_VALUE(key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
-                    "the caches' head_size dimension must be contiguous");
+  check_cache_pair(key_cache, value_cache);
   TORCH_CHECK_VALUE(q_in.device().is_cpu() && key_cache.device().is_cpu() &&
                     value_cache.device().is_cpu(), "paged_attention_cpu takes CPU tensors");
   const int64_t num_tokens = q_in.size(0), num_q_heads = q_in.size(1), dim = q_in.size(2);
@@ -711,13 +717,7 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cpu(
 void reshape_and_cache_cpu(const at::Tensor& key_in, const at::Tensor& value_in,
                            const at::Tensor& key_cache, const at::Tensor& value_cache,
                            const at::Tensor& slot_mapping_in) {
-  TORCH_CHECK_VALUE(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
-                    "key_cache/value_cache must be [num_blocks, block_size, Hkv, D] of one "
-                    "shape, got ", key_cache.sizes(), " and ", value_cache.sizes());
-  TORCH_CHECK_VALUE(key_cache.scalar_type() == value_cache.scalar_type(),
-                    "key_cache and value_cache dtypes differ");
-  TORCH_CHECK_VALUE(key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
-                    "the caches' head_size dimension must be contiguous");
+  check_cache_pair(key_cache, value_cache);
   const int64_t num_tokens = key_in.size(0);
   TORCH_CHECK_VALUE(key_in.dim() == 3 && value_in.sizes() == key_in.sizes() &&
                     key_in.size(1) == key_cache.size(2) && key_in.size(2) == key_cache.size(3),
