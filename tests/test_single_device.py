@@ -1,14 +1,17 @@
 """Single-device backend: every attention state and multi-step runs against the fp64 oracle."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
 from cp_attention import (AttentionMetadata, AttentionState, CPAttentionBackend, CPConfig,
-                          MetadataBuilder, StepSpec)
+                          CPMetadataBuilder, CPRanks, MetadataBuilder, StepSpec)
 from cp_attention.errors import AttentionLayerError
 from cp_attention.impl.base import BaseAttentionImpl
+from cp_attention.ops.reference import ReferenceOps
 from cp_attention.testing.workload import Workload, run_workload
 
 TOL = {"float32": 2e-5, "bfloat16": 3e-2, "float16": 4e-3}
@@ -175,3 +178,47 @@ def test_cp_routing_needs_groups():
         CPAttentionImpl(num_heads=2, head_size=8, scale=0.3)
     with pytest.raises(ValueError, match="single-device"):
         MetadataBuilder(CPConfig(pcp_size=2))
+
+
+def test_decode_only_step_plans_one_paged_pass():
+    table = torch.zeros(2, 1, dtype=torch.int32)
+    spec = StepSpec((5, 9), (1, 3), table)
+    plan = MetadataBuilder(CPConfig(decode_threshold=3), sliding_window=4).build(spec).single_pass
+    assert plan.seq_lens.tolist() == [6, 12]  # the cache after this step's write
+    assert plan.kv_end.tolist() == [6, 10, 11, 12]  # bottom-right causal: positions 5, 9, 10, 11
+    assert plan.kv_start.tolist() == [2, 6, 7, 8]  # window 4: keys p - 3 .. p
+    plain = MetadataBuilder(CPConfig()).build(StepSpec((5, 9), (1, 1), table)).single_pass
+    assert plain.seq_lens.tolist() == [6, 10] and plain.kv_start is None and plain.kv_end is None
+    with_prefill = StepSpec((5, 0), (1, 4), table)
+    assert MetadataBuilder(CPConfig()).build(with_prefill).single_pass is None
+    dcp = CPConfig(tp_size=2, dcp_size=2)
+    assert CPMetadataBuilder(dcp, CPRanks.of(dcp, 1)).build(spec).single_pass is None
+
+
+def test_decode_only_forward_is_one_write_and_one_paged_call():
+    calls = []
+
+    class CountingOps(ReferenceOps):
+        def __getattribute__(self, name):
+            if name in ("varlen_attention", "paged_attention", "reshape_and_cache",
+                        "merge_attn_states"):
+                calls.append(name)
+            return super().__getattribute__(name)
+
+    config = CPConfig(block_size=4, decode_threshold=2)
+    table = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
+    cache = torch.randn(2, 6, 4, 1, 8)
+    q, kv = torch.randn(3, 2, 8), torch.randn(3, 1, 8)
+    impl = BaseAttentionImpl(num_heads=2, head_size=8, scale=0.3, num_kv_heads=1,
+                             ops=CountingOps())
+    meta = MetadataBuilder(config).build(StepSpec((6, 9), (1, 2), table))
+    out = impl.forward(None, q, kv, kv, cache, meta, output=torch.empty_like(q))
+    assert calls == ["reshape_and_cache", "paged_attention"]
+    # the same rows through the general plan (self part + context part, merged by LSE)
+    calls.clear()
+    fresh = cache.clone()
+    general = dataclasses.replace(meta, single_pass=None)
+    expected = impl.forward(None, q, kv, kv, fresh, general, output=torch.empty_like(q))
+    assert "merge_attn_states" in calls
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    assert torch.equal(cache, fresh)

@@ -109,6 +109,32 @@ class BaseAttentionImpl:
             k = k.masked_fill(pad_rows, 0)
             v = v.masked_fill(pad_rows, 0)
 
+        if meta.single_pass is not None:  # decode-only, unsharded cache (checked: decoder)
+            out = self._single_pass(q, k, v, kv_cache, meta)
+        else:
+            out = self._attention(q, k, v, kv_cache, meta)
+        if pad_rows is not None:
+            out = out.masked_fill(pad_rows, 0)
+        out_view = output.view(output.shape[0], -1)
+        out_view[:rows] = out.reshape(rows, -1)
+        if rows < output.shape[0]:
+            out_view[rows:] = 0
+        return output
+
+    def _single_pass(self, q, k, v, kv_cache, meta) -> torch.Tensor:
+        """Write the step's K/V, then one paged call over the cache: out [rows, Hq, D]."""
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        self.ops.reshape_and_cache(k, v, key_cache, value_cache,
+                                   meta.step_slot_mapping.to(q.device))
+        plan = meta.single_pass
+        return self.ops.paged_attention(q, key_cache, value_cache,
+                                        meta.ctx_block_table.to(q.device),
+                                        meta.ctx_cu_seqlens, plan.seq_lens, scale=self.scale,
+                                        kv_start=plan.kv_start, kv_end=plan.kv_end)[0]
+
+    def _attention(self, q, k, v, kv_cache, meta) -> torch.Tensor:
+        """Self part over the step's new tokens, cache write, context part, LSE merge:
+        out [rows, Hq, D]."""
         step_kv = self._step_kv(k, v, meta)  # CP: an all-gather, overlapped with attention
         out, lse = self._self_attention(q, k, v, step_kv, meta)
         if kv_cache is not None and self.attn_type == "decoder":
@@ -122,15 +148,9 @@ class BaseAttentionImpl:
                 meta.ctx_cu_seqlens, meta.ctx_seq_lens, scale=self.scale,
                 kv_start=meta.ctx_kv_start, kv_end=meta.ctx_kv_end)
             ctx_out, ctx_lse = self._combine_context(ctx_out, ctx_lse, meta)
-            out, lse = self.ops.merge_attn_states(out, lse, ctx_out.to(out.dtype), ctx_lse.to(lse.dtype))
-
-        if pad_rows is not None:
-            out = out.masked_fill(pad_rows, 0)
-        out_view = output.view(output.shape[0], -1)
-        out_view[:rows] = out.reshape(rows, -1)
-        if rows < output.shape[0]:
-            out_view[rows:] = 0
-        return output
+            out, _ = self.ops.merge_attn_states(out, lse, ctx_out.to(out.dtype),
+                                                ctx_lse.to(lse.dtype))
+        return out
 
     def _self_attention(self, q, k, v, step_kv, meta):
         """Attention of every local row over the step's own new tokens."""

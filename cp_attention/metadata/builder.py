@@ -60,6 +60,7 @@ class AttentionMetadata:
     ctx_kv_end: torch.Tensor | None
     num_computed_tokens_of_pcp_dcp: np.ndarray  # [R, pcp, dcp] local context lengths, batch order
     sliding_window: int | None
+    single_pass: SinglePass | None  # decode-only step over an unsharded cache, else None
 
     @cached_property
     def prefill_real_kv_idx(self) -> torch.Tensor:
@@ -87,6 +88,21 @@ class AttentionMetadata:
     @property
     def num_decodes(self) -> int:
         return len(self.decode_reqs)
+
+
+@dataclass(frozen=True)
+class SinglePass:
+    """A decode-only step whose cache is not sharded: the layer writes the step's K/V first,
+    then every row attends the cache alone in one paged call (no self part, no merge).
+    Block table and query offsets are the context ones (``ctx_block_table``,
+    ``ctx_cu_seqlens``)."""
+
+    seq_lens: torch.Tensor  # [R] cached tokens of each request after the step's write
+    kv_start: torch.Tensor | None  # [rows] first visible key (sliding window), else None
+    kv_end: torch.Tensor | None  # [rows] causal end (speculative tokens), else None
+
+
+_t = torch.from_numpy  # an int64 (or bool) array as a CPU tensor sharing its memory
 
 
 # -- row layouts --------------------------------------------------------------------------------
@@ -238,13 +254,22 @@ def window_ranges(rows: RowLayout, step: StepSpec, window: int, config: CPConfig
     return start, end
 
 
+def single_pass(rows: RowLayout, step: StepSpec, window: int | None) -> SinglePass:
+    """The :class:`SinglePass` of a decode-only step (``rows``: one segment per request, batch
+    order): a row at position p sees keys [max(0, p - window + 1), p] of the written cache."""
+    context = step.computed[rows.req]
+    seq_lens = _t(context + rows.length)
+    if window is None and (rows.length == 1).all():
+        return SinglePass(seq_lens, None, None)  # each row sees its whole request
+    pos = rows.ranges(context)
+    start = None if window is None else _t(np.maximum(pos - window + 1, 0))
+    return SinglePass(seq_lens, start, _t(pos + 1))
+
+
 def kv_shard_grid(config: CPConfig) -> np.ndarray:
     """[pcp, dcp] KV shard index of every (pcp_rank, dcp_rank)."""
     pcp, dcp = np.arange(config.pcp_size)[:, None], np.arange(config.dcp_size)[None, :]
     return pcp * config.dcp_size + dcp if config.kv_shard == "cp" else 0 * pcp + dcp
-
-
-_t = torch.from_numpy  # an int64 (or bool) array as a CPU tensor sharing its memory
 
 
 class MetadataBuilder:
@@ -314,6 +339,8 @@ class MetadataBuilder:
                                                      self.kv_rank))
         decodes_first = num_dec == 0 or decodes[-1] == num_dec - 1
         has_context = bool(step.computed.any())
+        one_pass = (single_pass(dec_rows, step, self.sliding_window)
+                    if num_dec == step.num_reqs and cfg.kv_world == 1 else None)
 
         return AttentionMetadata(
             state=classify_state(step.num_reqs, num_dec, num_dec_rows, has_context),
@@ -340,6 +367,7 @@ class MetadataBuilder:
             ctx_kv_end=kv_end,
             num_computed_tokens_of_pcp_dcp=ctx.per_rank,
             sliding_window=self.sliding_window,
+            single_pass=one_pass,
         )
 
     def _check_block_table(self, seq_lens: np.ndarray, block_table: np.ndarray) -> None:
