@@ -271,7 +271,7 @@ CASES: list[Case] = [
          r"output must be 2-D or 3-D, got shape \(4, 2, 8, 1\)",
          lambda: forward(output=torch.zeros(4, H, D, 1))),
     Case("impl.forward", "value on device meta", AttentionLayerError,
-         r"value is on meta, query on cpu",
+         r"query, key, value and output must share a device, got cpu, cpu, meta, cpu",
          lambda: forward(value=torch.empty(4, H, D, device="meta"))),
     Case("impl.forward", "key float16, query float32", AttentionLayerError,
          r"dtypes must match floating dtypes, got torch.float32/torch.float16/torch.float32",

@@ -227,6 +227,32 @@ def test_reshape_and_cache_matches_reference(ops, strided, src_dtype, cache_dtyp
         ops.reshape_and_cache(key, value, caches[0][0], caches[0][1], slots + 1000)
 
 
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_cache_and_paged_attention_is_the_write_then_the_read(ops, strided, dtype):
+    """The fused decode call equals reshape_and_cache + paged_attention (float64: reference);
+    the new rows (two per request, spec decode) attend themselves causally."""
+    gen = torch.Generator().manual_seed(6)
+    seq_lens, q_lens = [19, 140], [2, 2]
+    args, _, _ = paged_case(seq_lens, q_lens, 16, 2, 4, 64, dtype, strided, torch.int64, gen)
+    q, kc, vc, table, cu, lens = args
+    key = torch.randn(4, 2, 64, generator=gen).to(dtype)
+    value = torch.randn(4, 2, 64, generator=gen).to(dtype)
+    pos = torch.tensor([17, 18, 138, 139])  # the last two positions of each request
+    slots = table[torch.tensor([0, 0, 1, 1]), pos // 16] * 16 + pos % 16
+    kv_end = pos + 1
+    fused_k, fused_v = kc.clone(), vc.clone()
+    out, lse = ops.cache_and_paged_attention(q, key, value, fused_k, fused_v, slots, table, cu,
+                                             lens, scale=0.3, kv_end=kv_end)
+    ReferenceOps().reshape_and_cache(key, value, kc, vc, slots)
+    ref_out, ref_lse = ReferenceOps().paged_attention(q, kc, vc, table, cu, lens, scale=0.3,
+                                                      kv_end=kv_end)
+    assert torch.equal(fused_k, kc) and torch.equal(fused_v, vc)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(out, ref_out.to(out.dtype), rtol=tol, atol=tol)
+    torch.testing.assert_close(lse, ref_lse.to(lse.dtype), rtol=tol, atol=tol)
+
+
 def test_float64_goes_to_the_reference(ops):
     gen = torch.Generator().manual_seed(6)
     args, keys, values = paged_case([50], [2], 16, 1, 4, 64, torch.float64, False, torch.int64,

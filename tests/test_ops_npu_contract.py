@@ -166,7 +166,7 @@ def test_attention_update_inputs_and_slots():
     lses, outs = npu_args.attention_update_inputs(out, lse, out, lse)
     assert lses[0].shape == (6,) and lses[0].dtype == torch.float32
     assert outs[1].shape == (6, 8) and torch.equal(outs[0][3], out[1, 1])
-    slots = npu_args.slot_mapping_arg(torch.tensor([3, -1, 7]))
+    slots = npu_args.slot_mapping_arg(torch.tensor([3, -1, 7]), torch.device("cpu"))
     assert slots.dtype == torch.int32 and slots.tolist() == [3, -1, 7]
 
 

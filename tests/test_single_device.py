@@ -201,7 +201,7 @@ def test_decode_only_forward_is_one_write_and_one_paged_call():
     class CountingOps(ReferenceOps):
         def __getattribute__(self, name):
             if name in ("varlen_attention", "paged_attention", "reshape_and_cache",
-                        "merge_attn_states"):
+                        "merge_attn_states", "cache_and_paged_attention"):
                 calls.append(name)
             return super().__getattribute__(name)
 
@@ -213,7 +213,7 @@ def test_decode_only_forward_is_one_write_and_one_paged_call():
                              ops=CountingOps())
     meta = MetadataBuilder(config).build(StepSpec((6, 9), (1, 2), table))
     out = impl.forward(None, q, kv, kv, cache, meta, output=torch.empty_like(q))
-    assert calls == ["reshape_and_cache", "paged_attention"]
+    assert calls == ["cache_and_paged_attention", "reshape_and_cache", "paged_attention"]
     # the same rows through the general plan (self part + context part, merged by LSE)
     calls.clear()
     fresh = cache.clone()

@@ -101,9 +101,9 @@ class BaseAttentionImpl:
         if self.debug:
             check_forward_values(query, key, value, kv_cache, meta)
         rows, dim = meta.num_actual_tokens, self.head_size
-        q = query[:rows].reshape(rows, self.num_heads, dim)
-        k = key[:rows].reshape(rows, self.num_kv_heads, dim)
-        v = value[:rows].reshape(rows, self.num_kv_heads, dim)
+        q = _head_rows(query, rows, self.num_heads, dim)
+        k = _head_rows(key, rows, self.num_kv_heads, dim)
+        v = _head_rows(value, rows, self.num_kv_heads, dim)
         pad_rows = None if meta.pad_rows is None else meta.pad_rows.to(q.device)[:, None, None]
         if pad_rows is not None:  # padding may hold anything: keep it out of the sums
             k = k.masked_fill(pad_rows, 0)
@@ -115,6 +115,8 @@ class BaseAttentionImpl:
             out = self._attention(q, k, v, kv_cache, meta)
         if pad_rows is not None:
             out = out.masked_fill(pad_rows, 0)
+        if output.shape == out.shape:  # no graph padding: one copy (and cast)
+            return output.copy_(out)
         out_view = output.view(output.shape[0], -1)
         out_view[:rows] = out.reshape(rows, -1)
         if rows < output.shape[0]:
@@ -123,14 +125,12 @@ class BaseAttentionImpl:
 
     def _single_pass(self, q, k, v, kv_cache, meta) -> torch.Tensor:
         """Write the step's K/V, then one paged call over the cache: out [rows, Hq, D]."""
-        key_cache, value_cache = kv_cache[0], kv_cache[1]
-        self.ops.reshape_and_cache(k, v, key_cache, value_cache,
-                                   meta.step_slot_mapping.to(q.device))
+        key_cache, value_cache = kv_cache.unbind(0)
         plan = meta.single_pass
-        return self.ops.paged_attention(q, key_cache, value_cache,
-                                        meta.ctx_block_table.to(q.device),
-                                        meta.ctx_cu_seqlens, plan.seq_lens, scale=self.scale,
-                                        kv_start=plan.kv_start, kv_end=plan.kv_end)[0]
+        return self.ops.cache_and_paged_attention(
+            q, k, v, key_cache, value_cache, meta.step_slot_mapping, meta.ctx_block_table,
+            meta.ctx_cu_seqlens, plan.seq_lens, scale=self.scale, kv_start=plan.kv_start,
+            kv_end=plan.kv_end)[0]
 
     def _attention(self, q, k, v, kv_cache, meta) -> torch.Tensor:
         """Self part over the step's new tokens, cache write, context part, LSE merge:
@@ -140,11 +140,11 @@ class BaseAttentionImpl:
         if kv_cache is not None and self.attn_type == "decoder":
             step_k, step_v = self._wait_step_kv(step_kv)
             self.ops.reshape_and_cache(step_k, step_v, kv_cache[0], kv_cache[1],
-                                       meta.step_slot_mapping.to(q.device))
+                                       meta.step_slot_mapping)
         if meta.has_context and self.attn_type == "decoder":
             q_ctx = self._context_queries(q, meta)
             ctx_out, ctx_lse = self.ops.paged_attention(
-                q_ctx, kv_cache[0], kv_cache[1], meta.ctx_block_table.to(q.device),
+                q_ctx, kv_cache[0], kv_cache[1], meta.ctx_block_table,
                 meta.ctx_cu_seqlens, meta.ctx_seq_lens, scale=self.scale,
                 kv_start=meta.ctx_kv_start, kv_end=meta.ctx_kv_end)
             ctx_out, ctx_lse = self._combine_context(ctx_out, ctx_lse, meta)
@@ -168,3 +168,11 @@ class BaseAttentionImpl:
         cu = meta.decode_cu_seqlens
         return self.ops.varlen_attention(q, k, v, cu, cu, scale=self.scale, causal=True,
                                          window=self.sliding_window)
+
+
+def _head_rows(x: torch.Tensor, rows: int, heads: int, dim: int) -> torch.Tensor:
+    """The first ``rows`` rows of ``x`` ([T, heads, dim] or [T, heads * dim]) as
+    [rows, heads, dim]; ``x`` itself when it is that already."""
+    if x.shape == (rows, heads, dim):
+        return x
+    return x[:rows].reshape(rows, heads, dim)

@@ -67,6 +67,27 @@ def _check_tensors(impl, query, key, value, output, meta: AttentionMetadata) -> 
     if rows < meta.num_input_tokens:
         raise AttentionLayerError(f"query has {rows} rows but the metadata was built for "
                                   f"num_input_tokens={meta.num_input_tokens}")
+    q_shape = (rows, impl.num_heads, impl.head_size)
+    kv_shape = (rows, impl.num_kv_heads, impl.head_size)
+    if not (query.shape == output.shape == q_shape and key.shape == value.shape == kv_shape):
+        _check_row_shapes(impl, query, key, value, output)  # flat [T, H * D] rows, or an error
+    device = query.device
+    if key.device != device or value.device != device or output.device != device:
+        raise AttentionLayerError(f"query, key, value and output must share a device, got "
+                                  f"{device}, {key.device}, {value.device}, {output.device}")
+    if query.dtype not in FLOAT_DTYPES or key.dtype != query.dtype or value.dtype != query.dtype:
+        raise AttentionLayerError(f"query/key/value dtypes must match floating dtypes, got "
+                                  f"{query.dtype}/{key.dtype}/{value.dtype}")
+    if output.dtype not in FLOAT_DTYPES:
+        raise AttentionLayerError(f"output dtype {output.dtype} is not one of {FLOAT_DTYPES}")
+    if output.numel() and output.data_ptr() in (query.data_ptr(), key.data_ptr(),
+                                                value.data_ptr()):
+        raise AttentionLayerError("output must not alias query, key or value")
+
+
+def _check_row_shapes(impl, query, key, value, output) -> None:
+    """Each tensor is [T, heads, D] or [T, heads * D] with the query's T."""
+    rows = query.shape[0]
     for name, tensor, heads in (("query", query, impl.num_heads), ("key", key, impl.num_kv_heads),
                                 ("value", value, impl.num_kv_heads),
                                 ("output", output, impl.num_heads)):
@@ -78,16 +99,6 @@ def _check_tensors(impl, query, key, value, output, meta: AttentionMetadata) -> 
         if row_size != heads * impl.head_size:
             raise AttentionLayerError(f"{name} rows hold {row_size} values, expected "
                                       f"{heads} heads x {impl.head_size}")
-        if tensor.device != query.device:
-            raise AttentionLayerError(f"{name} is on {tensor.device}, query on {query.device}")
-    if query.dtype not in FLOAT_DTYPES or key.dtype != query.dtype or value.dtype != query.dtype:
-        raise AttentionLayerError(f"query/key/value dtypes must match floating dtypes, got "
-                                  f"{query.dtype}/{key.dtype}/{value.dtype}")
-    if output.dtype not in FLOAT_DTYPES:
-        raise AttentionLayerError(f"output dtype {output.dtype} is not one of {FLOAT_DTYPES}")
-    if output.numel() and output.data_ptr() in (query.data_ptr(), key.data_ptr(),
-                                                value.data_ptr()):
-        raise AttentionLayerError("output must not alias query, key or value")
 
 
 def _check_kv_cache(impl, kv_cache: torch.Tensor, key: torch.Tensor) -> None:

@@ -1,11 +1,11 @@
 """Fast CPU implementation of :class:`~cp_attention.ops.interface.AttentionOps`.
 
-``paged_attention``, ``reshape_and_cache`` and ``merge_attn_states`` (float32 partials) run the
-C++ kernels of ``ops/csrc`` (built on first use by :mod:`cp_attention.ops.cpu_build`): the
-paged cache is read in place, in its own dtype, with float32 accumulation.
-``varlen_attention`` uses the C++ prefill kernel when the extension has one, ``ReferenceOps``
-otherwise. float64 inputs go to ``ReferenceOps`` (the
-oracle's precision). Checks here are O(1) (shapes, dtypes); value checks are the caller's.
+``paged_attention``, ``reshape_and_cache``, their fused ``cache_and_paged_attention`` and
+``merge_attn_states`` (float32 partials) run the C++ kernels of ``ops/csrc`` (built on first
+use by :mod:`cp_attention.ops.cpu_build`): the paged cache is read in place, in its own dtype,
+with float32 accumulation. ``varlen_attention`` uses the C++ prefill kernel when the extension
+has one, ``ReferenceOps`` otherwise. float64 inputs go to ``ReferenceOps`` (the oracle's
+precision). Checks here are O(1) (shapes, dtypes); value checks are the caller's.
 """
 from __future__ import annotations
 
@@ -13,13 +13,14 @@ from types import ModuleType
 
 import torch
 
+from cp_attention.ops.interface import AttentionOps
 from cp_attention.ops.merge import merge_attn_states
 from cp_attention.ops.reference import ReferenceOps
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-class CpuOps:
+class CpuOps(AttentionOps):
     """C++ CPU kernels behind the op interface; ``ReferenceOps`` for what they do not cover."""
 
     name = "cpu"
@@ -41,14 +42,24 @@ class CpuOps:
 
     def paged_attention(self, q, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens,
                         *, scale, kv_start=None, kv_end=None):
-        if q.dtype not in _KERNEL_DTYPES or key_cache.dtype not in _KERNEL_DTYPES or \
-                q.device.type != "cpu" or key_cache.stride(-1) != 1 or \
-                value_cache.stride(-1) != 1:
+        if not _kernel_reads(q, key_cache, value_cache):
             return self._reference.paged_attention(
                 q, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, scale=scale,
                 kv_start=kv_start, kv_end=kv_end)
         return self._ext.paged_attention(q, key_cache, value_cache, block_table, cu_seqlens_q,
                                          seq_lens, float(scale), kv_start, kv_end)
+
+    def cache_and_paged_attention(self, q, key, value, key_cache, value_cache, slot_mapping,
+                                  block_table, cu_seqlens_q, seq_lens, *, scale, kv_start=None,
+                                  kv_end=None):
+        """The cache write and the paged call in one C++ call (a decode layer's whole work)."""
+        if not _kernel_reads(q, key_cache, value_cache):
+            return super().cache_and_paged_attention(
+                q, key, value, key_cache, value_cache, slot_mapping, block_table, cu_seqlens_q,
+                seq_lens, scale=scale, kv_start=kv_start, kv_end=kv_end)
+        return self._ext.cache_and_paged_attention(q, key, value, key_cache, value_cache,
+                                                   slot_mapping, block_table, cu_seqlens_q,
+                                                   seq_lens, float(scale), kv_start, kv_end)
 
     def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping):
         """Works on strided views (e.g. vLLM's ``[blocks, heads, slots, 2 * D]`` cache)."""
@@ -64,3 +75,9 @@ class CpuOps:
                 out_b.stride(-1) == 1:
             return self._ext.merge_attn_states(out_a, lse_a, out_b, lse_b)
         return merge_attn_states(out_a, lse_a, out_b, lse_b)
+
+
+def _kernel_reads(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    """Whether the C++ paged kernel takes these (CPU, its dtypes, head_size contiguous)."""
+    return q.dtype in _KERNEL_DTYPES and key_cache.dtype in _KERNEL_DTYPES and \
+        q.device.type == "cpu" and key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1

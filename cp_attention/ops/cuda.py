@@ -18,7 +18,7 @@ import torch
 
 from cp_attention.ops import cuda_args
 from cp_attention.ops.checks import check_paged_args, check_varlen_args
-from cp_attention.ops.interface import accumulation_dtype, empty_result
+from cp_attention.ops.interface import AttentionOps, accumulation_dtype, empty_result
 from cp_attention.ops.merge import merge_attn_states
 from cp_attention.ops.paged_plan import plan_paged
 from cp_attention.ops.reference import ReferenceOps
@@ -48,7 +48,7 @@ def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     return out, lse.transpose(0, 1)
 
 
-class CudaOps:
+class CudaOps(AttentionOps):
     """flash-attn kernels when available, explicit math otherwise.
 
     use_flash: None = auto (flash-attn importable and q float16/bfloat16), False = never.

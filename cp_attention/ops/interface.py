@@ -10,6 +10,10 @@ Mask conventions (shared by every implementation):
     query ``i`` sits at key position ``n_k - n_q + i`` and sees keys ``<=`` that position;
   * a sliding window ``w`` additionally hides keys at positions ``<= pos - w``;
   * a query row that sees no key at all returns output 0 and LSE ``-inf`` (never NaN).
+
+Index tensors (``cu_seqlens_*``, ``seq_lens``, ``block_table``, ``slot_mapping``, ``kv_start``,
+``kv_end``) may live on the host, where the metadata builder makes them: each implementation
+moves what its kernel reads to the device itself (a CPU caller pays no transfer call).
 """
 from __future__ import annotations
 
@@ -31,7 +35,10 @@ def empty_result(q: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor, torch
 
 
 class AttentionOps(Protocol):
-    """One device's implementation of the primitives used by the backends."""
+    """One device's implementation of the primitives used by the backends.
+
+    Implementations subclass it (for the composed default of
+    :meth:`cache_and_paged_attention`)."""
 
     name: str
 
@@ -93,6 +100,29 @@ class AttentionOps(Protocol):
         Rows whose slot is -1 are skipped (tokens owned by another rank, padding).
         """
         ...
+
+    def cache_and_paged_attention(
+        self,
+        q: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_table: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        seq_lens: torch.Tensor,
+        *,
+        scale: float,
+        kv_start: torch.Tensor | None = None,
+        kv_end: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`reshape_and_cache` of the new key/value rows, then :meth:`paged_attention`
+        of ``q`` over the written cache (``seq_lens`` counts the new rows): a decode layer in
+        one call. This default composes the two; an implementation may fuse them."""
+        self.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+        return self.paged_attention(q, key_cache, value_cache, block_table, cu_seqlens_q,
+                                    seq_lens, scale=scale, kv_start=kv_start, kv_end=kv_end)
 
     def merge_attn_states(
         self,

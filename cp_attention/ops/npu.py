@@ -24,7 +24,7 @@ import torch
 
 from cp_attention.ops import npu_args
 from cp_attention.ops.checks import check_cache_write_args, check_paged_args, check_varlen_args
-from cp_attention.ops.interface import accumulation_dtype, empty_result
+from cp_attention.ops.interface import AttentionOps, accumulation_dtype, empty_result
 from cp_attention.ops.merge import merge_attn_states
 from cp_attention.ops.paged_plan import plan_paged
 from cp_attention.ops.reference import ReferenceOps
@@ -37,7 +37,7 @@ def _load_torch_npu() -> ModuleType:
         raise RuntimeError("NpuOps needs torch_npu (Ascend CANN); use ReferenceOps elsewhere") from exc
 
 
-class NpuOps:
+class NpuOps(AttentionOps):
     """torch_npu kernels behind the ops interface.
 
     kernel_dtypes: input dtypes passed to the kernels (default float16/bfloat16, the fused
@@ -125,7 +125,7 @@ class NpuOps:
                 atten_mask=self._mask(mode, q.device),
                 actual_seq_lengths=call.cu_seqlens_q()[1:],
                 actual_seq_lengths_kv=call.kv_lengths(),
-                block_table=npu_args.gather_block_table(block_table, call),
+                block_table=npu_args.gather_block_table(block_table, call).to(q.device),
                 num_heads=q.shape[1], num_key_value_heads=key_cache.shape[2],
                 scale=float(scale), pre_tokens=pre, next_tokens=nxt,
                 input_layout="TND", sparse_mode=mode,
@@ -143,7 +143,7 @@ class NpuOps:
         self.torch_npu._npu_reshape_and_cache(
             key=key.to(key_cache.dtype).contiguous(), value=value.to(value_cache.dtype).contiguous(),
             key_cache=key_cache, value_cache=value_cache,
-            slot_indices=npu_args.slot_mapping_arg(slot_mapping))
+            slot_indices=npu_args.slot_mapping_arg(slot_mapping, key_cache.device))
 
     def merge_attn_states(self, out_a, lse_a, out_b, lse_b):
         """npu_attention_update when present and float32; rows empty on both sides fixed up."""

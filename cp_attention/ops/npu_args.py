@@ -132,6 +132,7 @@ def attention_update_inputs(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: tor
     return lses, outs
 
 
-def slot_mapping_arg(slot_mapping: torch.Tensor) -> torch.Tensor:
-    """``_npu_reshape_and_cache`` takes int32 ``slot_indices``; -1 means skip."""
-    return slot_mapping.to(torch.int32).contiguous()
+def slot_mapping_arg(slot_mapping: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``_npu_reshape_and_cache`` takes int32 ``slot_indices`` on the cache's device; -1 means
+    skip."""
+    return slot_mapping.to(device=device, dtype=torch.int32).contiguous()

@@ -13,7 +13,7 @@ import torch
 
 from cp_attention.mathutils import ceil_div
 from cp_attention.ops.checks import check_cache_write_args, check_paged_args, check_varlen_args
-from cp_attention.ops.interface import accumulation_dtype, empty_result
+from cp_attention.ops.interface import AttentionOps, accumulation_dtype, empty_result
 from cp_attention.ops.merge import merge_attn_states
 
 _QUERY_BLOCK = 512  # query rows per masked block
@@ -99,7 +99,7 @@ def attend_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: fl
     return merge_attn_states(prefix_out, prefix_lse, diag_out, diag_lse)
 
 
-class ReferenceOps:
+class ReferenceOps(AttentionOps):
     """Pure-torch ops: the tested default on every device.
 
     Every call makes the O(1) argument checks of :mod:`cp_attention.ops.checks`; the O(n)
@@ -151,6 +151,7 @@ class ReferenceOps:
         """Works on strided views too (e.g. a cache laid out as [blocks, heads, slots, D])."""
         check_cache_write_args(key, value, key_cache, value_cache, slot_mapping)
         block_size = key_cache.shape[1]
+        slot_mapping = slot_mapping.to(key_cache.device)  # the host's, as the metadata has it
         stored = slot_mapping >= 0
         slots = slot_mapping[stored].long()
         blocks, offsets = slots // block_size, slots % block_size

@@ -17,6 +17,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "LSE merge of two float32 partials (out_a, lse_a, out_b, lse_b) -> (out, lse)");
   m.def("reshape_and_cache", &reshape_and_cache_cpu,
         "store key/value rows at slot_mapping (-1 skipped) of strided caches");
+  m.def("cache_and_paged_attention", &cache_and_paged_attention_cpu,
+        "reshape_and_cache then paged_attention (q, key, value, key_cache, value_cache, "
+        "slot_mapping, block_table, cu_seqlens_q, seq_lens, scale, kv_start, kv_end) -> "
+        "(out fp32, lse fp32)");
 #ifdef CP_ATTENTION_HAS_VARLEN
   m.def("varlen_attention", &varlen_attention_cpu,
         "varlen attention (q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, window<=0: none) "

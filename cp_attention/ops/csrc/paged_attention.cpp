@@ -760,3 +760,14 @@ void reshape_and_cache_cpu(const at::Tensor& key_in, const at::Tensor& value_in,
   });
   TORCH_CHECK_INDEX(!bad_slot.load(), "slot_mapping holds a slot outside [-1, ", num_slots, ")");
 }
+
+std::tuple<at::Tensor, at::Tensor> cache_and_paged_attention_cpu(
+    const at::Tensor& q, const at::Tensor& key, const at::Tensor& value,
+    const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& slot_mapping,
+    const at::Tensor& block_table, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
+    double scale, const std::optional<at::Tensor>& kv_start,
+    const std::optional<at::Tensor>& kv_end) {
+  reshape_and_cache_cpu(key, value, key_cache, value_cache, slot_mapping);
+  return paged_attention_cpu(q, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens,
+                             scale, kv_start, kv_end);
+}

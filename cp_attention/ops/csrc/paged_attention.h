@@ -21,3 +21,12 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cpu(
 void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value,
                            const at::Tensor& key_cache, const at::Tensor& value_cache,
                            const at::Tensor& slot_mapping);
+
+// reshape_and_cache_cpu(key, value, key_cache, value_cache, slot_mapping), then
+// paged_attention_cpu(q, ...) over the written caches: one call for a decode layer.
+std::tuple<at::Tensor, at::Tensor> cache_and_paged_attention_cpu(
+    const at::Tensor& q, const at::Tensor& key, const at::Tensor& value,
+    const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& slot_mapping,
+    const at::Tensor& block_table, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
+    double scale, const std::optional<at::Tensor>& kv_start,
+    const std::optional<at::Tensor>& kv_end);
