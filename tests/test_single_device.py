@@ -191,8 +191,12 @@ def test_decode_only_step_plans_one_paged_pass():
     assert plain.seq_lens.tolist() == [6, 10] and plain.kv_start is None and plain.kv_end is None
     with_prefill = StepSpec((5, 0), (1, 4), table)
     assert MetadataBuilder(CPConfig()).build(with_prefill).single_pass is None
-    dcp = CPConfig(tp_size=2, dcp_size=2)
-    assert CPMetadataBuilder(dcp, CPRanks.of(dcp, 1)).build(spec).single_pass is None
+    dcp = CPConfig(tp_size=2, dcp_size=2, decode_threshold=3)
+    shard = CPMetadataBuilder(dcp, CPRanks.of(dcp, 1)).build(spec).single_pass
+    assert shard.seq_lens.tolist() == [3, 6]  # odd positions live on DCP rank 1
+    assert shard.kv_start is None and shard.kv_end.tolist() == [3, 5, 5, 6]
+    pcp = CPConfig(pcp_size=2, decode_threshold=3)  # the cache is sharded over PCP ranks too:
+    assert CPMetadataBuilder(pcp, CPRanks()).build(spec).single_pass is None  # queries gathered
 
 
 def test_decode_only_forward_is_one_write_and_one_paged_call():

@@ -109,7 +109,7 @@ class BaseAttentionImpl:
             k = k.masked_fill(pad_rows, 0)
             v = v.masked_fill(pad_rows, 0)
 
-        if meta.single_pass is not None:  # decode-only, unsharded cache (checked: decoder)
+        if meta.single_pass is not None:  # decode-only, queries not gathered (checked: decoder)
             out = self._single_pass(q, k, v, kv_cache, meta)
         else:
             out = self._attention(q, k, v, kv_cache, meta)
@@ -124,13 +124,15 @@ class BaseAttentionImpl:
         return output
 
     def _single_pass(self, q, k, v, kv_cache, meta) -> torch.Tensor:
-        """Write the step's K/V, then one paged call over the cache: out [rows, Hq, D]."""
+        """Write the step's K/V, then one paged call over the cache (CP: this rank's shard,
+        partials combined as context ones): out [rows, Hq, D]."""
         key_cache, value_cache = kv_cache.unbind(0)
         plan = meta.single_pass
-        return self.ops.cache_and_paged_attention(
-            q, k, v, key_cache, value_cache, meta.step_slot_mapping, meta.ctx_block_table,
-            meta.ctx_cu_seqlens, plan.seq_lens, scale=self.scale, kv_start=plan.kv_start,
-            kv_end=plan.kv_end)[0]
+        out, lse = self.ops.cache_and_paged_attention(
+            self._context_queries(q, meta), k, v, key_cache, value_cache,
+            meta.step_slot_mapping, meta.ctx_block_table, meta.ctx_cu_seqlens, plan.seq_lens,
+            scale=self.scale, kv_start=plan.kv_start, kv_end=plan.kv_end)
+        return self._combine_context(out, lse, meta)[0]
 
     def _attention(self, q, k, v, kv_cache, meta) -> torch.Tensor:
         """Self part over the step's new tokens, cache write, context part, LSE merge:

@@ -92,14 +92,15 @@ class AttentionMetadata:
 
 @dataclass(frozen=True)
 class SinglePass:
-    """A decode-only step whose cache is not sharded: the layer writes the step's K/V first,
-    then every row attends the cache alone in one paged call (no self part, no merge).
+    """A decode-only step whose queries are not gathered over PCP: the layer writes the step's
+    K/V first, then every row attends this rank's cache shard alone in one paged call (no self
+    part, no merge; under DCP the shards' partials are combined as context partials are).
     Block table and query offsets are the context ones (``ctx_block_table``,
-    ``ctx_cu_seqlens``)."""
+    ``ctx_cu_seqlens``); the lengths count this rank's shard."""
 
-    seq_lens: torch.Tensor  # [R] cached tokens of each request after the step's write
-    kv_start: torch.Tensor | None  # [rows] first visible key (sliding window), else None
-    kv_end: torch.Tensor | None  # [rows] causal end (speculative tokens), else None
+    seq_lens: torch.Tensor  # [R] tokens of each request on this shard after the step's write
+    kv_start: torch.Tensor | None  # [rows] first visible local key (sliding window), else None
+    kv_end: torch.Tensor | None  # [rows] local causal end (speculative tokens), else None
 
 
 _t = torch.from_numpy  # an int64 (or bool) array as a CPU tensor sharing its memory
@@ -254,16 +255,22 @@ def window_ranges(rows: RowLayout, step: StepSpec, window: int, config: CPConfig
     return start, end
 
 
-def single_pass(rows: RowLayout, step: StepSpec, window: int | None) -> SinglePass:
-    """The :class:`SinglePass` of a decode-only step (``rows``: one segment per request, batch
-    order): a row at position p sees keys [max(0, p - window + 1), p] of the written cache."""
+def single_pass(rows: RowLayout, step: StepSpec, window: int | None, config: CPConfig,
+                kv_rank: int) -> SinglePass:
+    """The :class:`SinglePass` of a decode-only step on KV shard ``kv_rank`` (``rows``: one
+    segment per request, batch order): a row at position p sees the keys
+    [max(0, p - window + 1), p] of the written cache that this shard holds."""
+    world, inter = config.kv_world, config.cp_kv_interleave_size
     context = step.computed[rows.req]
-    seq_lens = _t(context + rows.length)
+    seq_lens = _t(local_count(context + rows.length, kv_rank, world, inter))
     if window is None and (rows.length == 1).all():
         return SinglePass(seq_lens, None, None)  # each row sees its whole request
     pos = rows.ranges(context)
-    start = None if window is None else _t(np.maximum(pos - window + 1, 0))
-    return SinglePass(seq_lens, start, _t(pos + 1))
+    end = _t(local_count(pos + 1, kv_rank, world, inter))
+    if window is None:
+        return SinglePass(seq_lens, None, end)
+    return SinglePass(seq_lens, _t(local_count(np.maximum(pos - window + 1, 0), kv_rank, world,
+                                               inter)), end)
 
 
 def kv_shard_grid(config: CPConfig) -> np.ndarray:
@@ -339,8 +346,8 @@ class MetadataBuilder:
                                                      self.kv_rank))
         decodes_first = num_dec == 0 or decodes[-1] == num_dec - 1
         has_context = bool(step.computed.any())
-        one_pass = (single_pass(dec_rows, step, self.sliding_window)
-                    if num_dec == step.num_reqs and cfg.kv_world == 1 else None)
+        one_pass = (single_pass(dec_rows, step, self.sliding_window, cfg, self.kv_rank)
+                    if num_dec == step.num_reqs and not ctx.over_pcp else None)
 
         return AttentionMetadata(
             state=classify_state(step.num_reqs, num_dec, num_dec_rows, has_context),
