@@ -373,9 +373,9 @@ class MetadataBuilder:
     def _check_block_table(self, seq_lens: np.ndarray, block_table: np.ndarray) -> None:
         """Every request has enough blocks, and the blocks it uses are valid ids."""
         cfg = self.config
-        needed = blocks_needed(seq_lens, cfg.block_size, cfg.kv_world)
         have = block_table.shape[1]
-        if len(needed) and needed.max() > have:
+        if int(seq_lens.max()) > have * cfg.block_size * cfg.kv_world:  # the longest overflows
+            needed = blocks_needed(seq_lens, cfg.block_size, cfg.kv_world)
             r = int((needed > have).argmax())
             raise ValueError(f"block_table has {have} blocks per request but request {r} needs "
                              f"{int(needed[r])} for {int(seq_lens[r])} tokens "
@@ -383,6 +383,7 @@ class MetadataBuilder:
         if not block_table.size or (block_table.min() >= 0 and (
                 self.num_blocks is None or block_table.max() < self.num_blocks)):
             return  # the common case, checked without building the mask below
+        needed = blocks_needed(seq_lens, cfg.block_size, cfg.kv_world)
         used = block_table[np.arange(have)[None, :] < needed[:, None]]
         if (used < 0).any():
             raise ValueError("block_table has a negative block id inside a request's blocks")
