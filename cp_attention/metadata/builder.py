@@ -146,9 +146,7 @@ def whole_requests(reqs: np.ndarray, new_lens: np.ndarray, rows: np.ndarray) -> 
 def pcp_local_rows(prefills: np.ndarray, new_lens: np.ndarray, split: PCPSplit) -> RowLayout:
     """Each prefill's head chunk then its tail chunk (2 segments of c rows per prefill)."""
     c = split.chunk_lens
-    start = np.empty((len(c), 2), dtype=np.int64)
-    start[:, 0], start[:, 1] = split.head_chunk * c, split.tail_chunk * c
-    start = start.reshape(-1)
+    start = np.multiply.outer(c, (split.head_chunk, split.tail_chunk)).reshape(-1)
     length = c.repeat(2)
     real = np.minimum(np.maximum(new_lens.repeat(2) - start, 0), length)
     return RowLayout(prefills.repeat(2), start, length, real)
@@ -318,10 +316,14 @@ class MetadataBuilder:
         dec_rows = whole_requests(decodes, dec_lens, dec_lens)
         pre = plan_prefills(prefills, new_lens, cfg.pcp_size, self.ranks.pcp_rank,
                            self.sliding_window is not None)
-        local_rows, step_rows = dec_rows + pre.local, dec_rows + pre.step
+        local_rows = dec_rows + pre.local
         # [R + 1] rows before each request (decodes, then prefills), local and step rows
         cu_local = cumsum0(np.concatenate([dec_lens, pre.local_rows_per_req]))
-        cu_step = cu_local if pre.split is None else cumsum0(step_rows.length)
+        if pre.split is None:  # step rows are the local rows
+            step_rows, cu_step = local_rows, cu_local
+        else:
+            step_rows = dec_rows + pre.step
+            cu_step = cumsum0(step_rows.length)
         num_dec = len(decodes)
         num_dec_rows, num_actual = int(cu_local[num_dec]), int(cu_local[-1])
         num_input = num_actual if num_input_tokens is None else num_input_tokens

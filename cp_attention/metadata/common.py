@@ -129,7 +129,7 @@ def classify_state(num_reqs: int, num_decodes: int, num_decode_tokens: int,
 def cumsum0(lengths: np.ndarray) -> np.ndarray:
     """[n] lengths -> [n + 1] int64 offsets starting at 0."""
     out = np.zeros(len(lengths) + 1, dtype=np.int64)
-    lengths.cumsum(out=out[1:])
+    np.add.accumulate(lengths, out=out[1:])  # = cumsum, without the method's overhead
     return out
 
 
@@ -150,16 +150,16 @@ def ranges_concat(starts: np.ndarray, lengths: np.ndarray, equal: bool | None = 
     if len(lengths) == 1:
         return np.arange(starts[0], starts[0] + lengths[0], dtype=np.int64)
     if equal and len(lengths):
-        return _equal_ranges(starts, int(lengths[0]))
-    ends = lengths.cumsum()
+        return equal_ranges(starts, int(lengths[0]))
+    ends = np.add.accumulate(lengths)
     total = int(ends[-1]) if len(ends) else 0
     if equal is None and total >= _LARGE_OUTPUT and bool((lengths == lengths[0]).all()):
-        return _equal_ranges(starts, int(lengths[0]))
+        return equal_ranges(starts, int(lengths[0]))
     out = np.arange(total, dtype=np.int64)
     out += (starts + lengths - ends).repeat(lengths)
     return out
 
 
-def _equal_ranges(starts: np.ndarray, length: int) -> np.ndarray:
+def equal_ranges(starts: np.ndarray, length: int) -> np.ndarray:
     """[n * length] int64: ``arange(s, s + length)`` for each of the [n] starts, concatenated."""
     return (starts[:, None] + np.arange(length, dtype=np.int64)).reshape(-1)

@@ -64,7 +64,7 @@ def segment_slots(req: np.ndarray, first_row: np.ndarray, first_pos: np.ndarray,
     """
     slots = np.full(num_rows, -1, dtype=np.int64)
     # [2, S] local positions [lo, hi) of each segment's tokens held by this shard
-    lo, hi = local_count(np.stack([first_pos, first_pos + num_tokens]), shard, world, interleave)
+    lo, hi = local_count(np.array((first_pos, first_pos + num_tokens)), shard, world, interleave)
     owned = hi - lo
     local = ranges_concat(lo, owned)  # local positions stored here, segment by segment
     if len(local) == 0:
