@@ -147,9 +147,7 @@ def whole_requests(reqs: np.ndarray, new_lens: np.ndarray, rows: np.ndarray) -> 
 def pcp_local_rows(prefills: np.ndarray, new_lens: np.ndarray, split: PCPSplit) -> RowLayout:
     """Each prefill's head chunk then its tail chunk (2 segments of c rows per prefill)."""
     c = split.chunk_lens
-    start = np.empty((len(c), 2), dtype=np.int64)
-    start[:, 0], start[:, 1] = split.head_chunk * c, split.tail_chunk * c
-    start = start.reshape(-1)
+    start = np.multiply.outer(c, (split.head_chunk, split.tail_chunk)).reshape(-1)
     length = c.repeat(2)
     real = np.minimum(np.maximum(new_lens.repeat(2) - start, 0), length)
     return RowLayout(prefills.repeat(2), start, length, real)
@@ -325,10 +323,14 @@ class MetadataBuilder:
         dec_rows = whole_requests(decodes, dec_lens, dec_lens)
         pre = plan_prefills(prefills, new_lens, cfg.pcp_size, self.ranks.pcp_rank,
                            self.sliding_window is not None)
-        local_rows, step_rows = dec_rows + pre.local, dec_rows + pre.step
+        local_rows = dec_rows + pre.local
         # [R + 1] rows before each request (decodes, then prefills), local and step rows
         cu_local = cumsum0(np.concatenate([dec_lens, pre.local_rows_per_req]))
-        cu_step = cu_local if pre.split is None else cumsum0(step_rows.length)
+        if pre.split is None:  # step rows are the local rows
+            step_rows, cu_step = local_rows, cu_local
+        else:
+            step_rows = dec_rows + pre.step
+            cu_step = cumsum0(step_rows.length)
         num_dec = len(decodes)
         num_dec_rows, num_actual = int(cu_local[num_dec]), int(cu_local[-1])
         num_input = num_actual if num_input_tokens is None else num_input_tokens
@@ -380,9 +382,9 @@ class MetadataBuilder:
     def _check_block_table(self, seq_lens: np.ndarray, block_table: np.ndarray) -> None:
         """Every request has enough blocks, and the blocks it uses are valid ids."""
         cfg = self.config
-        needed = blocks_needed(seq_lens, cfg.block_size, cfg.kv_world)
         have = block_table.shape[1]
-        if len(needed) and needed.max() > have:
+        if int(seq_lens.max()) > have * cfg.block_size * cfg.kv_world:  # the longest overflows
+            needed = blocks_needed(seq_lens, cfg.block_size, cfg.kv_world)
             r = int((needed > have).argmax())
             raise ValueError(f"block_table has {have} blocks per request but request {r} needs "
                              f"{int(needed[r])} for {int(seq_lens[r])} tokens "
@@ -390,6 +392,7 @@ class MetadataBuilder:
         if not block_table.size or (block_table.min() >= 0 and (
                 self.num_blocks is None or block_table.max() < self.num_blocks)):
             return  # the common case, checked without building the mask below
+        needed = blocks_needed(seq_lens, cfg.block_size, cfg.kv_world)
         used = block_table[np.arange(have)[None, :] < needed[:, None]]
         if (used < 0).any():
             raise ValueError("block_table has a negative block id inside a request's blocks")

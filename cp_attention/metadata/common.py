@@ -129,11 +129,11 @@ def classify_state(num_reqs: int, num_decodes: int, num_decode_tokens: int,
 def cumsum0(lengths: np.ndarray) -> np.ndarray:
     """[n] lengths -> [n + 1] int64 offsets starting at 0."""
     out = np.zeros(len(lengths) + 1, dtype=np.int64)
-    lengths.cumsum(out=out[1:])
+    np.add.accumulate(lengths, out=out[1:])  # = cumsum, without the method's overhead
     return out
 
 
-_LARGE_OUTPUT = 1 << 16  # rows from which avoiding an output-sized temporary pays
+_LARGE_OUTPUT = 1 << 16  # rows from which checking the lengths for equal ones pays
 
 
 def ranges_concat(starts: np.ndarray, lengths: np.ndarray, equal: bool | None = None
@@ -142,21 +142,24 @@ def ranges_concat(starts: np.ndarray, lengths: np.ndarray, equal: bool | None = 
 
     starts, lengths: [n] int64 arrays (lengths >= 0). Written with as few numpy calls as
     possible (each costs microseconds; the planner makes several per step): one output-sized
-    ``arange`` shifted in place by each segment's ``start - offset``. Large outputs made of
-    equal segments are shifted without an output-sized temporary (fresh memory is faulted in
-    page by page, which dominates the cost of a 128k-row index). ``equal``: the caller knows
-    whether all lengths are equal (None: checked here for large outputs only).
+    ``arange`` shifted in place by each segment's ``start - offset``. Equal segments take one
+    broadcast ``starts[:, None] + arange(n)`` instead (a single pass over the output, no
+    output-sized ``arange``). ``equal``: the caller knows whether all lengths are equal (None:
+    checked here for large outputs only).
     """
     if len(lengths) == 1:
         return np.arange(starts[0], starts[0] + lengths[0], dtype=np.int64)
-    ends = lengths.cumsum()
+    if equal and len(lengths):
+        return equal_ranges(starts, int(lengths[0]))
+    ends = np.add.accumulate(lengths)
     total = int(ends[-1]) if len(ends) else 0
+    if equal is None and total >= _LARGE_OUTPUT and bool((lengths == lengths[0]).all()):
+        return equal_ranges(starts, int(lengths[0]))
     out = np.arange(total, dtype=np.int64)
-    shift = starts + lengths - ends
-    if equal is None:
-        equal = total >= _LARGE_OUTPUT and bool((lengths == lengths[0]).all())
-    if equal and total:
-        out.reshape(len(lengths), -1)[...] += shift[:, None]
-    else:
-        out += shift.repeat(lengths)
+    out += (starts + lengths - ends).repeat(lengths)
     return out
+
+
+def equal_ranges(starts: np.ndarray, length: int) -> np.ndarray:
+    """[n * length] int64: ``arange(s, s + length)`` for each of the [n] starts, concatenated."""
+    return (starts[:, None] + np.arange(length, dtype=np.int64)).reshape(-1)

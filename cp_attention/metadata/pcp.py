@@ -21,7 +21,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from cp_attention.metadata.common import cumsum0, ranges_concat
+from cp_attention.metadata.common import cumsum0, equal_ranges, ranges_concat
 
 
 class ChunkPlan(NamedTuple):
@@ -160,37 +160,50 @@ def chunk_lens_for(new_lens: np.ndarray, pcp_size: int) -> np.ndarray:
     return (np.asarray(new_lens, dtype=np.int64) + (2 * pcp_size - 1)) // (2 * pcp_size)
 
 
-def restore_index(chunk_lens: np.ndarray, pcp_size: int, equal: bool | None = None
-                  ) -> np.ndarray:
+def restore_index(chunk_lens: np.ndarray, pcp_size: int, equal: bool | None = None,
+                  cu: np.ndarray | None = None) -> np.ndarray:
     """[pcp * 2 sum c] gathered row of each restored row (closed form per chunk).
 
     Restored row ``(i, k, j)`` (prefill i, chunk k, row j) was sent by rank ``q(k)`` (``k`` or
     ``2 pcp - 1 - k``) as its head (``k < pcp``) or tail chunk: gathered row
     ``q(k) * 2 sum c + 2 C[i] + [k >= pcp] c[i] + j``. ``equal``: all ``c`` are equal
-    (None: unknown), as for :func:`ranges_concat`.
+    (None: unknown), as for :func:`ranges_concat`; ``cu``: [P + 1] ``cumsum0(c)`` when the
+    caller has it (None: computed here).
     """
     c = chunk_lens
+    cu = cumsum0(c) if cu is None else cu
     sender, is_tail = _senders_of_chunks(pcp_size)
     starts = c[:, None] * is_tail  # [P, 2 pcp]
-    starts += sender * (2 * int(c.sum()))
-    starts += (2 * (c.cumsum() - c))[:, None]
-    return ranges_concat(starts.reshape(-1), c.repeat(2 * pcp_size), equal)
+    starts += sender * (2 * int(cu[-1]))
+    starts += (2 * cu[:-1])[:, None]
+    return chunk_ranges(starts, c[:, None], equal)
 
 
-def scatter_index(chunk_lens: np.ndarray, pcp_size: int, equal: bool | None = None
-                  ) -> np.ndarray:
+def scatter_index(chunk_lens: np.ndarray, pcp_size: int, equal: bool | None = None,
+                  cu: np.ndarray | None = None) -> np.ndarray:
     """[pcp * 2 sum c] restored row of each gathered row: the inverse of :func:`restore_index`.
 
     Gathered row ``(q, i, h, j)`` (rank q, prefill i, head/tail h, row j) is restored row
     ``2 pcp C[i] + k c[i] + j`` with ``k = q`` (head) or ``2 pcp - 1 - q`` (tail).
-    ``equal`` as for :func:`restore_index`.
+    ``equal`` and ``cu`` as for :func:`restore_index`.
     """
     c = chunk_lens
+    cu = cumsum0(c) if cu is None else cu
     starts = _chunks_of_ranks(pcp_size) * c[:, None]  # [pcp, P, 2]
-    starts += (2 * pcp_size * (c.cumsum() - c))[:, None]
-    lengths = np.empty((pcp_size, len(c), 2), dtype=np.int64)
-    lengths[...] = c[:, None]
-    return ranges_concat(starts.reshape(-1), lengths.reshape(-1), equal)
+    starts += (2 * pcp_size * cu[:-1])[:, None]
+    return chunk_ranges(starts, c[:, None], equal)
+
+
+def chunk_ranges(starts: np.ndarray, rows: np.ndarray, equal: bool | None = None
+                 ) -> np.ndarray:
+    """:func:`ranges_concat` of segments given as an array ``starts`` (any shape, C order),
+    segment ``s`` of ``rows[s]`` rows, ``rows`` broadcast to the shape of ``starts`` (as
+    ``c[:, None]``: ``c[i]`` rows for each segment of prefill i). ``equal``: all rows are
+    equal (the [segments] lengths are then never made)."""
+    if equal and starts.size:
+        return equal_ranges(starts.reshape(-1), int(rows.flat[0]))
+    return ranges_concat(starts.reshape(-1), np.broadcast_to(rows, starts.shape).reshape(-1),
+                         equal)
 
 
 @functools.lru_cache(maxsize=16)
@@ -225,18 +238,18 @@ def plan_pcp_split(new_lens: np.ndarray, pcp_size: int, pcp_rank: int, windowed:
     cu = cumsum0(c)  # [P + 1]
     total = int(cu[-1])
     first = cu[:-1]
+    equal = len(c) < 2 or bool((c == c[0]).all())  # every index below has segments of c rows
     restored_start = 2 * pcp_size * first  # first restored row of each prefill
-    chunk_rows = np.arange(total, dtype=np.int64)  # row C[i] + j of the chunks' rows
-    q_head = chunk_rows + first.repeat(c)  # local row 2 C[i] + j
-    q_tail = q_head + c.repeat(c)  # local row 2 C[i] + c[i] + j
-    q_full = np.empty(2 * total, dtype=np.int64)  # local row -> row of cat(head, tail)
-    q_full[q_head] = chunk_rows
-    q_full[q_tail] = chunk_rows + total
-    equal = len(c) < 2 or bool(c.min() == c.max())  # every index below has segments of c rows
+    q_head = ranges_concat(2 * first, c, equal)  # local row 2 C[i] + j
+    q_tail = ranges_concat(2 * first + c, c, equal)  # local row 2 C[i] + c[i] + j
+    # local row (i, h, j) is row h T + C[i] + j of cat(head rows, tail rows), T = sum c
+    q_full = chunk_ranges(np.add.outer(first, (0, total)), c[:, None], equal)
+    # [4, P + 1] key offsets: head C, tail C (unmasked parts), (head + 1) C, (tail + 1) C
+    cu_k = np.multiply.outer((head, tail, head + 1, tail + 1), cu)
     head_kv = tail_kv = None
     if windowed:
-        head_kv = _tensor(ranges_concat(restored_start, (head + 1) * c))
-        tail_kv = _tensor(ranges_concat(restored_start, (tail + 1) * c))
+        head_kv = _tensor(ranges_concat(restored_start, (head + 1) * c, equal))
+        tail_kv = _tensor(ranges_concat(restored_start, (tail + 1) * c, equal))
     return PCPSplit(
         pcp_size=pcp_size,
         pcp_rank=pcp_rank,
@@ -247,12 +260,12 @@ def plan_pcp_split(new_lens: np.ndarray, pcp_size: int, pcp_rank: int, windowed:
         q_full_idx=_tensor(q_full),
         kv_with_q_head_nomask_idx=_tensor(ranges_concat(restored_start, head * c, equal)),
         kv_with_q_tail_nomask_idx=_tensor(ranges_concat(restored_start, tail * c, equal)),
-        head_nomask_cu_seqlens_k=_tensor(head * cu),
-        tail_nomask_cu_seqlens_k=_tensor(tail * cu),
+        head_nomask_cu_seqlens_k=_tensor(cu_k[0]),
+        tail_nomask_cu_seqlens_k=_tensor(cu_k[1]),
         kv_with_q_head_idx=head_kv,
         kv_with_q_tail_idx=tail_kv,
-        head_cu_seqlens_k=_tensor((head + 1) * cu),
-        tail_cu_seqlens_k=_tensor((tail + 1) * cu),
-        pcp_allgather_restore_idx=_tensor(restore_index(c, pcp_size, equal)),
-        pcp_allgather_scatter_idx=_tensor(scatter_index(c, pcp_size, equal)),
+        head_cu_seqlens_k=_tensor(cu_k[2]),
+        tail_cu_seqlens_k=_tensor(cu_k[3]),
+        pcp_allgather_restore_idx=_tensor(restore_index(c, pcp_size, equal, cu)),
+        pcp_allgather_scatter_idx=_tensor(scatter_index(c, pcp_size, equal, cu)),
     )
