@@ -139,14 +139,14 @@ class BaseAttentionImpl:
         out [rows, Hq, D]."""
         step_kv = self._step_kv(k, v, meta)  # CP: an all-gather, overlapped with attention
         out, lse = self._self_attention(q, k, v, step_kv, meta)
-        if kv_cache is not None and self.attn_type == "decoder":
-            step_k, step_v = self._wait_step_kv(step_kv)
-            self.ops.reshape_and_cache(step_k, step_v, kv_cache[0], kv_cache[1],
-                                       meta.step_slot_mapping)
-        if meta.has_context and self.attn_type == "decoder":
-            q_ctx = self._context_queries(q, meta)
+        if self.attn_type != "decoder":  # encoder-only: no cache, no context (checked)
+            return out
+        key_cache, value_cache = kv_cache.unbind(0)
+        step_k, step_v = self._wait_step_kv(step_kv)
+        self.ops.reshape_and_cache(step_k, step_v, key_cache, value_cache, meta.step_slot_mapping)
+        if meta.has_context:
             ctx_out, ctx_lse = self.ops.paged_attention(
-                q_ctx, kv_cache[0], kv_cache[1], meta.ctx_block_table,
+                self._context_queries(q, meta), key_cache, value_cache, meta.ctx_block_table,
                 meta.ctx_cu_seqlens, meta.ctx_seq_lens, scale=self.scale,
                 kv_start=meta.ctx_kv_start, kv_end=meta.ctx_kv_end)
             ctx_out, ctx_lse = self._combine_context(ctx_out, ctx_lse, meta)
