@@ -60,7 +60,7 @@ class AttentionMetadata:
     ctx_kv_end: torch.Tensor | None
     num_computed_tokens_of_pcp_dcp: np.ndarray  # [R, pcp, dcp] local context lengths, batch order
     sliding_window: int | None
-    single_pass: SinglePass | None  # decode-only step over an unsharded cache, else None
+    single_pass: SinglePass | None  # decode-only step, queries not gathered over PCP; else None
 
     @cached_property
     def prefill_real_kv_idx(self) -> torch.Tensor:
