@@ -35,6 +35,26 @@ inline vf8 load8(const float* p) {
   return v;
 }
 
+// 8 bfloat16 / float16 values widened to float32 (a bfloat16 is the upper half of a float32).
+inline vf8 load8(const c10::BFloat16* p) {
+  vu16x8 h;
+  std::memcpy(&h, p, sizeof(h));
+  const vu32x8 w = __builtin_convertvector(h, vu32x8) << 16;
+  vf8 v;
+  std::memcpy(&v, &w, sizeof(v));
+  return v;
+}
+
+inline vf8 load8(const c10::Half* p) {
+#if defined(__F16C__)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  vf8 v;
+  for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+#endif
+}
+
 inline void store8(float* p, vf8 v) { std::memcpy(p, &v, sizeof(v)); }
 
 inline vf8 splat(float x) { return vf8{x, x, x, x, x, x, x, x}; }

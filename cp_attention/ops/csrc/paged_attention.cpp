@@ -29,9 +29,12 @@
 namespace cp_attention {
 namespace {
 
+#define CP_INLINE inline __attribute__((always_inline))
+
 constexpr int kTileKeys = 32;          // keys per tile (never crosses a cache block)
 constexpr int64_t kRowsPerItem = 64;   // query rows (tokens x group heads) per work item
 constexpr int64_t kMinSplitKeys = 512;  // shortest key range worth its own work item
+constexpr int64_t kMaxItemRows = 256;   // query rows of all KV heads of an item (scratch)
 
 // Reads entries of an int32 or int64 2-D index tensor without converting it.
 struct IndexTable {
@@ -63,13 +66,19 @@ struct PagedProblem {
   float scale;
 };
 
+// KV heads [head, head + num_heads) of one request's query tokens [t0, t1) over keys
+// [k0, k1). Several heads per item where the cache interleaves heads inside a slot (the
+// [blocks, block_size, Hkv, D] layout): a tile then reads one contiguous span per key for all
+// of them instead of one strided row per head and pass.
 struct WorkItem {
-  int64_t req, head, t0, t1, k0, k1;
-  int64_t part_row;  // first row in the partial buffers, or -1: write the output directly
+  int64_t req, head, num_heads, t0, t1, k0, k1;
+  int64_t part_row;  // first row in the partial buffers (the item's heads one after the
+                     // other), or -1: write the output directly
 };
 
+// The key-range partials of one KV head's rows: split sp's row r at part_row + sp * stride + r.
 struct MergeUnit {
-  int64_t head, t0, t1, part_row, num_splits;
+  int64_t head, t0, t1, part_row, num_splits, split_stride;
 };
 
 // Per-thread buffers, sized for the largest item.
@@ -78,17 +87,20 @@ struct Scratch {
   std::vector<float> q_rows;  // [groups * 8][D] the same queries, row-major (qk_dot)
   std::vector<float> acc;   // [groups * 8][D]
   std::vector<float> k_buf, v_buf;  // [kTileKeys][D] converted K/V rows
-  std::vector<vi8> lo, hi;  // [groups] visible key range of each lane
-  std::vector<SoftmaxState> state;
+  std::vector<vi8> lo, hi;  // [groups of one head] visible key range of each lane
+  std::vector<int64_t> grp_lo, grp_hi;          // [groups of one head] union of lo / hi
+  std::vector<int64_t> grp_all_lo, grp_all_hi;  // [groups of one head] keys all lanes see
+  std::vector<SoftmaxState> state;  // [groups]
   vf8 scores[kTileKeys];
 
-  Scratch(int64_t max_rows, int64_t dim) {
-    const int64_t groups = (max_rows + kLanes - 1) / kLanes;
+  Scratch(int64_t max_groups, int64_t dim) {
+    const int64_t groups = max_groups;
     q_t.resize(groups * dim * kLanes);
     q_rows.resize(groups * kLanes * dim);
     acc.resize(groups * kLanes * dim);
     k_buf.resize(kTileKeys * dim);
     v_buf.resize(kTileKeys * dim);
+    for (auto* v : {&grp_lo, &grp_hi, &grp_all_lo, &grp_all_hi}) v->resize(groups);
     lo.resize(groups);
     hi.resize(groups);
     state.resize(groups);
@@ -127,7 +139,7 @@ class RowLines {
       : base_(static_cast<const char*>(base)), stride_(stride_bytes), row_bytes_(row_bytes),
         rows_(rows) {}
 
-  void step() {
+  CP_INLINE void step() {
     if (line_ >= row_end_) {  // this row is done: start the next one
       if (row_ == rows_) return;
       const char* start = base_ + row_++ * stride_;
@@ -154,12 +166,16 @@ class RowLines {
 class TilePrefetcher {
  public:
   TilePrefetcher() = default;  // nothing to prefetch
+  // Rows of `heads` KV heads from the tile's first: per key, the span from the first head's
+  // row to the end of the last one's (contiguous where the cache interleaves heads).
   template <typename scalar_t>
-  TilePrefetcher(const PagedProblem& pb, const Tile<scalar_t>& tile)
-      : k_(tile.k, pb.k_stride[1] * sizeof(scalar_t), pb.dim * sizeof(scalar_t), tile.n),
-        v_(tile.v, pb.v_stride[1] * sizeof(scalar_t), pb.dim * sizeof(scalar_t), tile.n) {}
+  TilePrefetcher(const PagedProblem& pb, const Tile<scalar_t>& tile, int64_t heads)
+      : k_(tile.k, pb.k_stride[1] * sizeof(scalar_t),
+           ((heads - 1) * pb.k_stride[2] + pb.dim) * sizeof(scalar_t), tile.n),
+        v_(tile.v, pb.v_stride[1] * sizeof(scalar_t),
+           ((heads - 1) * pb.v_stride[2] + pb.dim) * sizeof(scalar_t), tile.n) {}
 
-  void step() {
+  CP_INLINE void step() {
     value_turn_ = !value_turn_;
     if (value_turn_) {
       v_.step();
@@ -175,7 +191,7 @@ class TilePrefetcher {
 
 // scores[j] (lane i) = sum_d q_t[d][i] * K_j[d] for the n keys K_j = keys + j * key_stride.
 // Steps `prefetch` once per d and key block (enough for a tile of its dtype's rows).
-inline void qk_tile(const float* q_t, const float* keys, int64_t key_stride, int n,
+CP_INLINE void qk_tile(const float* q_t, const float* keys, int64_t key_stride, int n,
                     int64_t dim, vf8* scores, TilePrefetcher& prefetch) {
   int j = 0;
   for (; j + 8 <= n; j += 8) {
@@ -250,9 +266,9 @@ inline vf8 reduce8(const vf8* a) {
 
 // scores[j][r] = q_r . K_j for R rows (dim apart) and J keys, as dot products with lanes over
 // d; scores[j]'s other lanes get 0. Steps `prefetch` once per K vector it loads.
-template <int R, int J>
-inline void qk_dot_block(const float* q, const float* keys, int64_t key_stride, int64_t dim,
-                         vf8* scores, TilePrefetcher& prefetch) {
+template <int R, int J, typename key_t>
+CP_INLINE void qk_dot_block(const float* q, const key_t* keys, int64_t key_stride, int64_t dim,
+                            vf8* scores, TilePrefetcher& prefetch) {
   static_assert(R * J <= kLanes, "one accumulator per (row, key), reduced by reduce8");
   vf8 acc[kLanes] = {};  // acc[j * R + r]; the ones past R * J stay 0
   const int64_t vec_end = dim - dim % kLanes;
@@ -272,16 +288,17 @@ inline void qk_dot_block(const float* q, const float* keys, int64_t key_stride, 
     vf8 row = splat(0.f);
     for (int r = 0; r < R; ++r) {
       float x = dots[j * R + r];
-      for (int64_t d = vec_end; d < dim; ++d) x += q[r * dim + d] * keys[j * key_stride + d];
+      for (int64_t d = vec_end; d < dim; ++d)
+        x += q[r * dim + d] * static_cast<float>(keys[j * key_stride + d]);
       row[r] = x;
     }
     scores[j] = row;
   }
 }
 
-template <int R>
-inline void qk_dot_rows(const float* q, const float* keys, int64_t key_stride, int n,
-                        int64_t dim, vf8* scores, TilePrefetcher& prefetch) {
+template <int R, typename key_t>
+CP_INLINE void qk_dot_rows(const float* q, const key_t* keys, int64_t key_stride, int n,
+                           int64_t dim, vf8* scores, TilePrefetcher& prefetch) {
   constexpr int J = kLanes / R;
   int j = 0;
   for (; j + J <= n; j += J)
@@ -292,9 +309,11 @@ inline void qk_dot_rows(const float* q, const float* keys, int64_t key_stride, i
 
 // The scores of a lane group with at most kDotRows rows (decode with a GQA group of 1 to 4),
 // where qk_tile would leave half or more of its lanes idle: same result, lanes = rows.
+// Keys are read in the cache's dtype (float32, or widened from 16 bits as they are loaded).
 constexpr int kDotRows = 4;
-inline void qk_dot(const float* q_rows, int rows, const float* keys, int64_t key_stride, int n,
-                   int64_t dim, vf8* scores, TilePrefetcher& prefetch) {
+template <typename key_t>
+CP_INLINE void qk_dot(const float* q_rows, int rows, const key_t* keys, int64_t key_stride,
+                      int n, int64_t dim, vf8* scores, TilePrefetcher& prefetch) {
   switch (rows) {
     case 1: return qk_dot_rows<1>(q_rows, keys, key_stride, n, dim, scores, prefetch);
     case 2: return qk_dot_rows<2>(q_rows, keys, key_stride, n, dim, scores, prefetch);
@@ -303,89 +322,121 @@ inline void qk_dot(const float* q_rows, int rows, const float* keys, int64_t key
   }
 }
 
-// acc rows r0, r0+1 (columns [c0, c0 + 8 C)) += sum_j p[j][lane] * V_j.
-template <int C>
-inline void pv_two_rows(float* acc0, float* acc1, int lane0, const vf8* probs,
-                        const float* values, int64_t value_stride, int n, int64_t c0) {
-  vf8 a[C], b[C];
-  for (int c = 0; c < C; ++c) {
-    a[c] = load8(acc0 + c0 + c * kLanes);
-    b[c] = load8(acc1 + c0 + c * kLanes);
-  }
+// acc rows lane0 .. lane0 + R (columns [c0, c0 + 8 C)) += sum_j p[j][lane] * V_j: each V
+// vector is loaded once for the R rows (R * C accumulators in registers).
+template <int R, int C, typename value_t>
+CP_INLINE void pv_rows(float* acc, int64_t dim, int lane0, const vf8* probs,
+                       const value_t* values, int64_t value_stride, int n, int64_t c0) {
+  vf8 a[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) a[r][c] = load8(acc + (lane0 + r) * dim + c0 + c * kLanes);
   for (int j = 0; j < n; ++j) {
-    const float* v = values + j * value_stride + c0;
-    const vf8 p0 = splat(probs[j][lane0]), p1 = splat(probs[j][lane0 + 1]);
-    for (int c = 0; c < C; ++c) {
-      const vf8 vv = load8(v + c * kLanes);
-      a[c] += p0 * vv;
-      b[c] += p1 * vv;
+    const value_t* v = values + j * value_stride + c0;
+    vf8 vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = load8(v + c * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const vf8 p = splat(probs[j][lane0 + r]);
+      for (int c = 0; c < C; ++c) a[r][c] += p * vv[c];
     }
   }
-  for (int c = 0; c < C; ++c) {
-    store8(acc0 + c0 + c * kLanes, a[c]);
-    store8(acc1 + c0 + c * kLanes, b[c]);
-  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) store8(acc + (lane0 + r) * dim + c0 + c * kLanes, a[r][c]);
 }
 
-template <int C>
-inline void pv_one_row(float* acc0, int lane0, const vf8* probs, const float* values,
-                       int64_t value_stride, int n, int64_t c0) {
-  vf8 a[C];
-  for (int c = 0; c < C; ++c) a[c] = load8(acc0 + c0 + c * kLanes);
-  for (int j = 0; j < n; ++j) {
-    const float* v = values + j * value_stride + c0;
-    const vf8 p0 = splat(probs[j][lane0]);
-    for (int c = 0; c < C; ++c) a[c] += p0 * load8(v + c * kLanes);
-  }
-  for (int c = 0; c < C; ++c) store8(acc0 + c0 + c * kLanes, a[c]);
+// pv_rows over the vectorized columns of R rows: C = 8 / R vectors per pass, then one.
+template <int R, typename value_t>
+CP_INLINE void pv_row_block(float* acc, int64_t dim, int lane0, const vf8* probs,
+                            const value_t* values, int64_t value_stride, int n,
+                            int64_t vec_end) {
+  constexpr int C = kLanes / R > 4 ? 4 : kLanes / R;
+  int64_t c = 0;
+  for (; c + C * kLanes <= vec_end; c += C * kLanes)
+    pv_rows<R, C>(acc, dim, lane0, probs, values, value_stride, n, c);
+  for (; c < vec_end; c += kLanes)
+    pv_rows<R, 1>(acc, dim, lane0, probs, values, value_stride, n, c);
 }
 
-// acc rows of one lane group (rows lanes [0, rows)) += P^T V over the tile.
-inline void pv_tile(float* acc, int rows, const vf8* probs, const float* values,
-                    int64_t value_stride, int n, int64_t dim) {
+// acc rows of one lane group (rows lanes [0, rows)) += P^T V over the tile (V in the cache's
+// dtype, or staged as float32), four rows per pass over V.
+template <typename value_t>
+CP_INLINE void pv_tile(float* acc, int rows, const vf8* probs, const value_t* values,
+                       int64_t value_stride, int n, int64_t dim) {
   const int64_t vec_end = dim - dim % kLanes;
   int lane = 0;
-  for (; lane + 2 <= rows; lane += 2) {
-    float* a0 = acc + lane * dim;
-    float* a1 = a0 + dim;
-    int64_t c = 0;
-    for (; c + 4 * kLanes <= vec_end; c += 4 * kLanes)
-      pv_two_rows<4>(a0, a1, lane, probs, values, value_stride, n, c);
-    for (; c + 2 * kLanes <= vec_end; c += 2 * kLanes)
-      pv_two_rows<2>(a0, a1, lane, probs, values, value_stride, n, c);
-    for (; c < vec_end; c += kLanes)
-      pv_two_rows<1>(a0, a1, lane, probs, values, value_stride, n, c);
-  }
-  for (; lane < rows; ++lane) {
-    float* a0 = acc + lane * dim;
-    int64_t c = 0;
-    for (; c + 4 * kLanes <= vec_end; c += 4 * kLanes)
-      pv_one_row<4>(a0, lane, probs, values, value_stride, n, c);
-    for (; c < vec_end; c += kLanes)
-      pv_one_row<1>(a0, lane, probs, values, value_stride, n, c);
+  for (; lane + 4 <= rows; lane += 4)
+    pv_row_block<4>(acc, dim, lane, probs, values, value_stride, n, vec_end);
+  switch (rows - lane) {
+    case 3: pv_row_block<3>(acc, dim, lane, probs, values, value_stride, n, vec_end); break;
+    case 2: pv_row_block<2>(acc, dim, lane, probs, values, value_stride, n, vec_end); break;
+    case 1: pv_row_block<1>(acc, dim, lane, probs, values, value_stride, n, vec_end); break;
+    default: break;
   }
   if (vec_end < dim) {  // head sizes that are not a multiple of 8
     for (int r = 0; r < rows; ++r)
       for (int j = 0; j < n; ++j) {
         const float p = probs[j][r];
-        const float* v = values + j * value_stride;
-        for (int64_t d = vec_end; d < dim; ++d) acc[r * dim + d] += p * v[d];
+        const value_t* v = values + j * value_stride;
+        for (int64_t d = vec_end; d < dim; ++d) acc[r * dim + d] += p * static_cast<float>(v[d]);
       }
+  }
+}
+
+// Folds keys [t, t + n) of KV head `h` of the item into its lane groups' softmax state and
+// accumulators. K/V rows are `key_stride` / `value_stride` elements apart, float32 or 16-bit.
+template <typename kv_t>
+CP_INLINE void attend_tile(const PagedProblem& pb, Scratch& s, int64_t rows, int64_t groups,
+                           int64_t h, int64_t t, int n, const kv_t* keys, int64_t key_stride,
+                           const kv_t* values, int64_t value_stride, TilePrefetcher& prefetch) {
+  const int64_t dim = pb.dim;
+  for (int64_t g = 0; g < groups; ++g) {
+    if (s.grp_lo[g] >= t + n || s.grp_hi[g] <= t) continue;  // no lane sees this tile
+    const int64_t slot = h * groups + g;
+    const int lanes = static_cast<int>(std::min<int64_t>(kLanes, rows - g * kLanes));
+    if constexpr (std::is_same_v<kv_t, float>) {
+      if (lanes > kDotRows) {
+        qk_tile(s.q_t.data() + slot * dim * kLanes, keys, key_stride, n, dim, s.scores,
+                prefetch);
+      } else {
+        qk_dot(s.q_rows.data() + slot * kLanes * dim, lanes, keys, key_stride, n, dim,
+               s.scores, prefetch);
+      }
+    } else {
+      qk_dot(s.q_rows.data() + slot * kLanes * dim, lanes, keys, key_stride, n, dim, s.scores,
+             prefetch);
+    }
+    if (!(s.grp_all_lo[g] <= t && s.grp_all_hi[g] >= t + n)) {  // some lane sees part of it
+      for (int j = 0; j < n; ++j) {
+        const vi8 pos = splat_i(static_cast<int32_t>(t + j));
+        s.scores[j] = (pos >= s.lo[g]) & (pos < s.hi[g]) ? s.scores[j] : splat(kNegInf);
+      }
+    }
+    const vf8 alpha = softmax_tile(s.state[slot], s.scores, n);
+    float* acc = s.acc.data() + slot * kLanes * dim;
+    for (int lane = 0; lane < lanes; ++lane) {
+      const float f = alpha[lane];
+      if (f != 1.0f) {
+        float* a = acc + lane * dim;
+        for (int64_t d = 0; d < dim; ++d) a[d] *= f;
+      }
+    }
+    pv_tile(acc, lanes, s.scores, values, value_stride, n, dim);
   }
 }
 
 template <typename scalar_t>
 void run_item(const PagedProblem& pb, const WorkItem& item, Scratch& s, float* out, float* lse,
               float* part_out, float* part_lse, std::atomic<bool>& bad_block) {
-  const int64_t dim = pb.dim, group = pb.group;
+  const int64_t dim = pb.dim, group = pb.group, heads = item.num_heads;
   const int64_t tokens = item.t1 - item.t0;
-  const int64_t rows = tokens * group;
-  const int64_t groups = (rows + kLanes - 1) / kLanes;
+  const int64_t rows = tokens * group;  // query rows of one KV head
+  const int64_t groups = (rows + kLanes - 1) / kLanes;  // lane groups of one KV head
+  // Lane group g of the item's head h is slot h * groups + g of q_t, q_rows, acc and state;
+  // a row's key range depends on its token only, so lo/hi and the group ranges are per g.
 
   // Stage queries (transposed per lane group, pre-scaled) and each row's key range.
-  std::fill(s.q_t.begin(), s.q_t.begin() + groups * dim * kLanes, 0.f);
-  std::fill(s.acc.begin(), s.acc.begin() + groups * kLanes * dim, 0.f);
-  std::vector<int64_t> grp_lo(groups), grp_hi(groups), grp_all_lo(groups), grp_all_hi(groups);
+  std::fill(s.q_t.begin(), s.q_t.begin() + heads * groups * dim * kLanes, 0.f);
+  std::fill(s.acc.begin(), s.acc.begin() + heads * groups * kLanes * dim, 0.f);
+  int64_t k_begin = item.k1, k_end = item.k0;
   for (int64_t g = 0; g < groups; ++g) {
     int32_t lo[kLanes], hi[kLanes];
     int64_t min_lo = item.k1, max_hi = item.k0, max_lo = item.k0, min_hi = item.k1;
@@ -396,11 +447,13 @@ void run_item(const PagedProblem& pb, const WorkItem& item, Scratch& s, float* o
         continue;
       }
       const int64_t t = item.t0 + r / group;
-      const int64_t head = item.head * group + r % group;
-      const float* qrow = pb.q + (t * pb.num_q_heads + head) * dim;
-      float* qt = s.q_t.data() + g * dim * kLanes + lane;
-      float* qr = s.q_rows.data() + r * dim;
-      for (int64_t d = 0; d < dim; ++d) qr[d] = qt[d * kLanes] = qrow[d] * pb.scale;
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t q_head = (item.head + h) * group + r % group;
+        const float* qrow = pb.q + (t * pb.num_q_heads + q_head) * dim;
+        float* qt = s.q_t.data() + (h * groups + g) * dim * kLanes + lane;
+        float* qr = s.q_rows.data() + (h * groups * kLanes + r) * dim;
+        for (int64_t d = 0; d < dim; ++d) qr[d] = qt[d * kLanes] = qrow[d] * pb.scale;
+      }
       const int64_t a = std::max(pb.row_lo[t], item.k0), b = std::min(pb.row_hi[t], item.k1);
       lo[lane] = static_cast<int32_t>(a);
       hi[lane] = static_cast<int32_t>(b);
@@ -413,17 +466,17 @@ void run_item(const PagedProblem& pb, const WorkItem& item, Scratch& s, float* o
     }
     std::memcpy(&s.lo[g], lo, sizeof(lo));
     std::memcpy(&s.hi[g], hi, sizeof(hi));
-    grp_lo[g] = min_lo, grp_hi[g] = max_hi;          // union of the lanes' ranges
-    grp_all_lo[g] = max_lo, grp_all_hi[g] = min_hi;  // keys every lane sees
-    s.state[g] = SoftmaxState();
+    s.grp_lo[g] = min_lo, s.grp_hi[g] = max_hi;          // union of the lanes' ranges
+    s.grp_all_lo[g] = max_lo, s.grp_all_hi[g] = min_hi;  // keys every lane sees
+    k_begin = std::min(k_begin, min_lo);
+    k_end = std::max(k_end, max_hi);
   }
+  std::fill(s.state.begin(), s.state.begin() + heads * groups, SoftmaxState());
 
-  int64_t k_begin = item.k1, k_end = item.k0;
-  for (int64_t g = 0; g < groups; ++g) {
-    k_begin = std::min(k_begin, grp_lo[g]);
-    k_end = std::max(k_end, grp_hi[g]);
-  }
-
+  // 16-bit K/V are widened as they are loaded when every lane group takes dot products (at
+  // most kDotRows rows: each element feeds one multiply-add per row); wider groups share
+  // rows converted once per tile.
+  const bool in_place = std::is_same_v<scalar_t, float> || rows <= kDotRows;
   Tile<scalar_t> tile = locate_tile<scalar_t>(pb, item, k_begin, k_end);
   for (int64_t t = k_begin; t < k_end;) {
     if (tile.n == 0) {
@@ -431,67 +484,44 @@ void run_item(const PagedProblem& pb, const WorkItem& item, Scratch& s, float* o
       return;
     }
     const int n = tile.n;
-    const scalar_t* k_src = tile.k;
-    const scalar_t* v_src = tile.v;
+    const scalar_t* k_tile = tile.k;
+    const scalar_t* v_tile = tile.v;
     tile = locate_tile<scalar_t>(pb, item, t + n, k_end);
-    TilePrefetcher prefetch(pb, tile);
-    const float* keys;
-    const float* values;
-    int64_t k_row_stride, v_row_stride;
-    if constexpr (std::is_same_v<scalar_t, float>) {
-      keys = k_src, values = v_src;
-      k_row_stride = pb.k_stride[1], v_row_stride = pb.v_stride[1];
-    } else {
-      for (int j = 0; j < n; ++j) {
-        to_float(k_src + j * pb.k_stride[1], s.k_buf.data() + j * dim, dim);
-        to_float(v_src + j * pb.v_stride[1], s.v_buf.data() + j * dim, dim);
+    TilePrefetcher prefetch(pb, tile, heads);
+    for (int64_t h = 0; h < heads; ++h) {
+      const scalar_t* k_src = k_tile + h * pb.k_stride[2];
+      const scalar_t* v_src = v_tile + h * pb.v_stride[2];
+      if (in_place) {
+        attend_tile(pb, s, rows, groups, h, t, n, k_src, pb.k_stride[1], v_src,
+                    pb.v_stride[1], prefetch);
+        continue;
       }
-      keys = s.k_buf.data(), values = s.v_buf.data();
-      k_row_stride = v_row_stride = dim;
-    }
-
-    for (int64_t g = 0; g < groups; ++g) {
-      if (grp_lo[g] >= t + n || grp_hi[g] <= t) continue;  // no lane sees this tile
-      const int lanes = static_cast<int>(std::min<int64_t>(kLanes, rows - g * kLanes));
-      if (lanes <= kDotRows) {
-        qk_dot(s.q_rows.data() + g * kLanes * dim, lanes, keys, k_row_stride, n, dim, s.scores,
-               prefetch);
-      } else {
-        qk_tile(s.q_t.data() + g * dim * kLanes, keys, k_row_stride, n, dim, s.scores,
-                prefetch);
-      }
-      if (!(grp_all_lo[g] <= t && grp_all_hi[g] >= t + n)) {  // some lane sees part of it
+      if constexpr (!std::is_same_v<scalar_t, float>) {
         for (int j = 0; j < n; ++j) {
-          const vi8 pos = splat_i(static_cast<int32_t>(t + j));
-          s.scores[j] = (pos >= s.lo[g]) & (pos < s.hi[g]) ? s.scores[j] : splat(kNegInf);
+          to_float(k_src + j * pb.k_stride[1], s.k_buf.data() + j * dim, dim);
+          to_float(v_src + j * pb.v_stride[1], s.v_buf.data() + j * dim, dim);
         }
+        attend_tile(pb, s, rows, groups, h, t, n, s.k_buf.data(), dim, s.v_buf.data(), dim,
+                    prefetch);
       }
-      const vf8 alpha = softmax_tile(s.state[g], s.scores, n);
-      float* acc = s.acc.data() + g * kLanes * dim;
-      for (int lane = 0; lane < lanes; ++lane) {
-        const float f = alpha[lane];
-        if (f != 1.0f) {
-          float* a = acc + lane * dim;
-          for (int64_t d = 0; d < dim; ++d) a[d] *= f;
-        }
-      }
-      pv_tile(acc, lanes, s.scores, values, v_row_stride, n, dim);
     }
     t += n;
   }
 
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t g = r / kLanes, lane = r % kLanes;
-    const float m = s.state[g].m[lane], l = s.state[g].l[lane];
-    const float* acc = s.acc.data() + r * dim;
-    if (item.part_row < 0) {
-      const int64_t t = item.t0 + r / group;
-      const int64_t head = item.head * group + r % group;
-      const int64_t o = t * pb.num_q_heads + head;
-      finalize_row(acc, m, l, dim, out + o * dim, lse + o);
-    } else {
-      const int64_t o = item.part_row + r;
-      finalize_row(acc, m, l, dim, part_out + o * dim, part_lse + o);
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t slot = h * groups + r / kLanes, lane = r % kLanes;
+      const float m = s.state[slot].m[lane], l = s.state[slot].l[lane];
+      const float* acc = s.acc.data() + (h * groups * kLanes + r) * dim;
+      if (item.part_row < 0) {
+        const int64_t t = item.t0 + r / group;
+        const int64_t q_head = (item.head + h) * group + r % group;
+        const int64_t o = t * pb.num_q_heads + q_head;
+        finalize_row(acc, m, l, dim, out + o * dim, lse + o);
+      } else {
+        const int64_t o = item.part_row + h * rows + r;
+        finalize_row(acc, m, l, dim, part_out + o * dim, part_lse + o);
+      }
     }
   }
 }
@@ -504,7 +534,7 @@ void merge_unit(const MergeUnit& u, int64_t group, int64_t num_q_heads, int64_t 
   for (int64_t r = 0; r < rows; ++r) {
     float m = kNegInf;
     for (int64_t sp = 0; sp < u.num_splits; ++sp)
-      m = std::max(m, part_lse[u.part_row + sp * rows + r]);
+      m = std::max(m, part_lse[u.part_row + sp * u.split_stride + r]);
     const int64_t o = (u.t0 + r / group) * num_q_heads + u.head * group + r % group;
     float* dst = out + o * dim;
     if (m == kNegInf) {
@@ -514,14 +544,14 @@ void merge_unit(const MergeUnit& u, int64_t group, int64_t num_q_heads, int64_t 
     }
     float total = 0.f;
     for (int64_t sp = 0; sp < u.num_splits; ++sp) {
-      weights[sp] = std::exp(part_lse[u.part_row + sp * rows + r] - m);
+      weights[sp] = std::exp(part_lse[u.part_row + sp * u.split_stride + r] - m);
       total += weights[sp];
     }
     std::memset(dst, 0, dim * sizeof(float));
     for (int64_t sp = 0; sp < u.num_splits; ++sp) {
       const float w = weights[sp] / total;
       if (w == 0.f) continue;
-      const float* src = part_out + (u.part_row + sp * rows + r) * dim;
+      const float* src = part_out + (u.part_row + sp * u.split_stride + r) * dim;
       for (int64_t d = 0; d < dim; ++d) dst[d] += w * src[d];
     }
     lse[o] = m + std::log(total);
@@ -635,28 +665,37 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cpu(
     }
   }
 
+  // Heads per item: all the KV heads whose rows share a cache line span per key (the cache
+  // interleaves heads inside a slot) up to kMaxItemRows rows, else one.
+  const bool heads_interleaved = num_kv_heads > 1 &&
+      key_cache.stride(2) < key_cache.stride(1) && value_cache.stride(2) < value_cache.stride(1);
   const int64_t threads = at::get_num_threads();
   const int64_t split_keys = threads > 1
       ? std::max<int64_t>(kMinSplitKeys, (total_keys + 4 * threads - 1) / (4 * threads))
       : std::numeric_limits<int64_t>::max();
   std::vector<WorkItem> items;
   std::vector<MergeUnit> merges;
-  int64_t part_rows = 0;
+  int64_t part_rows = 0, max_groups = 1;
   for (const Unit& u : units) {
-    const int64_t keys = u.k1 - u.k0;
-    const int64_t splits = std::max<int64_t>(1, (keys + split_keys - 1) / split_keys);
-    const int64_t chunk = (keys + splits - 1) / splits;
     const int64_t rows = (u.t1 - u.t0) * group;
-    for (int64_t h = 0; h < num_kv_heads; ++h) {
+    const int64_t heads = heads_interleaved
+        ? std::clamp<int64_t>(kMaxItemRows / rows, 1, num_kv_heads) : 1;
+    const int64_t keys = u.k1 - u.k0;
+    const int64_t splits = std::max<int64_t>(1, (keys * heads + split_keys - 1) / split_keys);
+    const int64_t chunk = (keys + splits - 1) / splits;
+    for (int64_t h0 = 0; h0 < num_kv_heads; h0 += heads) {
+      const int64_t nh = std::min(heads, num_kv_heads - h0);
+      max_groups = std::max(max_groups, nh * ((rows + kLanes - 1) / kLanes));
       if (splits == 1) {
-        items.push_back({u.req, h, u.t0, u.t1, u.k0, u.k1, -1});
+        items.push_back({u.req, h0, nh, u.t0, u.t1, u.k0, u.k1, -1});
         continue;
       }
-      merges.push_back({h, u.t0, u.t1, part_rows, splits});
+      for (int64_t h = 0; h < nh; ++h)
+        merges.push_back({h0 + h, u.t0, u.t1, part_rows + h * rows, splits, nh * rows});
       for (int64_t sp = 0; sp < splits; ++sp) {
-        items.push_back({u.req, h, u.t0, u.t1, u.k0 + sp * chunk,
+        items.push_back({u.req, h0, nh, u.t0, u.t1, u.k0 + sp * chunk,
                          std::min(u.k1, u.k0 + (sp + 1) * chunk), part_rows});
-        part_rows += rows;
+        part_rows += nh * rows;
       }
     }
   }
@@ -678,7 +717,6 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cpu(
       group,
       dim,
       static_cast<float>(scale)};
-  const int64_t max_rows = std::max<int64_t>(tokens_per_item * group, kLanes);
   float* out_ptr = out.data_ptr<float>();
   float* lse_ptr = lse.data_ptr<float>();
   std::atomic<bool> bad_block{false};
@@ -690,7 +728,7 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cpu(
     std::atomic<int64_t> next{0};
     at::parallel_for(0, workers, 1, [&](int64_t w0, int64_t) {
       auto& s = scratch[w0];
-      if (!s) s = std::make_unique<Scratch>(max_rows, dim);
+      if (!s) s = std::make_unique<Scratch>(max_groups, dim);
       for (int64_t i = next.fetch_add(1); i < static_cast<int64_t>(items.size());
            i = next.fetch_add(1)) {
         run_item<scalar_t>(pb, items[i], *s, out_ptr, lse_ptr, part_out.data(),
