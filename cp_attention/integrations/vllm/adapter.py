@@ -176,8 +176,8 @@ def step_row_tokens(meta: AttentionMetadata, step: StepSpec) -> torch.Tensor:
     split, nd = meta.pcp, meta.num_decode_tokens
     if split is None:
         return meta.local_token_idx[:meta.num_actual_tokens]
-    req = meta.prefill_reqs[split.restored_req]
-    pos = split.restored_padded_pos
+    req, pos = split.partition.restored_rows(split.chunk_lens)
+    req = meta.prefill_reqs[req]
     new = np.asarray(step.num_scheduled_tokens, dtype=np.int64)[req]
     tokens = np.where(pos < new, step.cu_new_tokens[req] + pos, -1)
     return torch.cat([meta.local_token_idx[:nd], torch.from_numpy(tokens.astype(np.int64))])
