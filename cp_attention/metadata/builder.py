@@ -74,10 +74,6 @@ class AttentionMetadata:
         return len(self.decode_reqs) + len(self.prefill_reqs)
 
     @property
-    def num_prefills(self) -> int:
-        return len(self.prefill_reqs)
-
-    @property
     def num_decodes(self) -> int:
         return len(self.decode_reqs)
 

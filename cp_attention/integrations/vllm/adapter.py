@@ -117,8 +117,8 @@ def row_order(meta: AttentionMetadata, num_tokens: int) -> torch.Tensor | None:
     idx = meta.local_token_idx[:meta.num_actual_tokens]
     if meta.num_actual_tokens != num_tokens or bool((idx < 0).any()):
         raise ValueError(f"rows ({meta.num_actual_tokens}, pads included) do not match vLLM's "
-                         f"{num_tokens} tokens one to one (row_order is for pcp_size == 1; the "
-                         "PCP model runner selects rows with local_input_rows)")
+                         f"{num_tokens} tokens one to one (with pcp_size > 1 the PCP model "
+                         "runner selects rows with local_input_rows, not row_order)")
     if bool((idx == torch.arange(num_tokens)).all()):
         return None
     return idx
