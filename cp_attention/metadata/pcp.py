@@ -113,21 +113,23 @@ class PrefillPartition(ABC):
         return (np.arange(len(chunk_lens)).repeat(padded),
                 ranges_concat(np.zeros(len(padded), dtype=np.int64), padded))
 
-    def restore_index(self, chunk_lens: np.ndarray, equal: bool | None = None,
-                      cu: np.ndarray | None = None) -> np.ndarray:
-        """[pcp m sum c] gathered row of each restored row (closed form per chunk).
+    def restore_runs(self, chunk_lens: np.ndarray, cu: np.ndarray | None = None) -> np.ndarray:
+        """[P, num_chunks] gathered row of the first row of each restored chunk (closed form).
 
-        Restored row ``(i, k, j)`` (prefill i, chunk k, row j) was sent by the rank ``q``
-        keeping chunk k, at slot ``s`` of its local order: gathered row
-        ``q m sum c + m C[i] + s c[i] + j``. ``equal``: all ``c`` are equal (None: unknown);
-        ``cu``: [P + 1] ``cumsum0(c)`` when the caller has it.
+        Restored chunk ``(i, k)`` (prefill i, chunk k) was sent by the rank ``q`` keeping
+        chunk k, at slot ``s`` of its local order: gathered rows ``q m sum c + m C[i] +
+        s c[i] + j``, j < c[i]. ``cu``: [P + 1] ``cumsum0(c)`` when the caller has it.
         """
         c, m = chunk_lens, self.chunks_per_rank
         cu = cumsum0(c) if cu is None else cu
         starts = c[:, None] * self._slot_of_chunk  # [P, num_chunks]
         starts += self._rank_of_chunk * (m * int(cu[-1]))
         starts += (m * cu[:-1])[:, None]
-        return chunk_ranges(starts, c[:, None], equal)
+        return starts
+
+    def restore_index(self, chunk_lens: np.ndarray) -> np.ndarray:
+        """[pcp m sum c] gathered row of each restored row (the runs of :meth:`restore_runs`)."""
+        return chunk_ranges(self.restore_runs(chunk_lens), chunk_lens[:, None])
 
     def plan(self, new_lens: np.ndarray, rank: int, windowed: bool = False) -> PCPSplit:
         """The :class:`PCPSplit` of prefills with ``new_lens`` ([P]) new tokens for ``rank``.
@@ -151,11 +153,11 @@ class PrefillPartition(ABC):
                                     _tensor(k * cu), kv_idx, _tensor((k + 1) * cu)))
         # local row (i, s, j) is row s T + C[i] + j of cat(chunk rows), T = sum c
         q_full = chunk_ranges(np.add.outer(first, np.arange(m) * int(cu[-1])), c[:, None], equal)
-        restore = self.restore_index(c, equal, cu)
-        scatter = np.empty_like(restore)
-        scatter[restore] = np.arange(len(restore))  # the inverse permutation
+        runs = self.restore_runs(c, cu)
         return PCPSplit(self, rank, c, _tensor(cu), tuple(chunks), _tensor(q_full),
-                        _tensor(restore), _tensor(scatter))
+                        _tensor(chunk_ranges(runs, c[:, None], equal)),
+                        _tensor(inverse_of_runs(runs.reshape(-1), c.repeat(self.num_chunks),
+                                                equal)))
 
 
 class HeadTail(PrefillPartition):
@@ -168,6 +170,15 @@ class HeadTail(PrefillPartition):
 
     def chunks_of(self, rank: int) -> tuple[int, int]:
         return rank, 2 * self.pcp_size - 1 - rank
+
+
+def inverse_of_runs(starts: np.ndarray, lengths: np.ndarray, equal: bool | None = None
+                    ) -> np.ndarray:
+    """The inverse permutation of ``ranges_concat(starts, lengths)`` (a permutation made of
+    [S] runs): each run's target rows, taken in the order of the runs' starts (argsort of S
+    segments, not of every row)."""
+    order = np.argsort(starts, kind="stable")
+    return ranges_concat(cumsum0(lengths)[:-1][order], lengths[order], equal)
 
 
 def chunk_ranges(starts: np.ndarray, rows: np.ndarray, equal: bool | None = None
