@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from cp_attention.config import CPConfig, CPRanks
 from cp_attention.metadata.builder import AttentionMetadata, CPMetadataBuilder
-from cp_attention.metadata.common import StepSpec
+from cp_attention.metadata.common import StepSpec, ranges_concat
 from cp_attention.metadata.pcp import HeadTail
 from cp_attention.metadata.vllm_ascend import VllmAscendView
 
@@ -407,7 +407,9 @@ def test_closed_form_restore_and_scatter_equal_argsort(new_lens, pcp, data):
     restore = split.pcp_allgather_restore_idx.numpy()
     assert np.array_equal(restore, expected)
     assert np.array_equal(split.pcp_allgather_scatter_idx.numpy(), np.argsort(expected))
-    assert np.array_equal(split.partition.restore_index(split.chunk_lens), expected)
+    runs = split.partition.restore_runs(split.chunk_lens)  # [P, 2 pcp] first gathered rows
+    assert np.array_equal(ranges_concat(runs.reshape(-1), split.chunk_lens.repeat(2 * pcp)),
+                          expected)
 
 
 @settings(**SETTINGS)

@@ -1,9 +1,6 @@
-"""Which KV shard stores which cached token, and where (pure index math, DESIGN section 2).
-
-:class:`KVSharding` is the one definition: the builder, the step checks, the vLLM
-slot-mapping shim and the test oracles all read their owners, local positions, local counts
-and slots from it.
-"""
+"""Which KV shard stores which cached token, and where (pure index math, DESIGN section 2):
+:class:`KVSharding`, the one definition the builder, the step checks, the vLLM slot-mapping
+shim and the test oracles read."""
 from __future__ import annotations
 
 from dataclasses import dataclass

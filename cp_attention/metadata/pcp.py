@@ -127,10 +127,6 @@ class PrefillPartition(ABC):
         starts += (m * cu[:-1])[:, None]
         return starts
 
-    def restore_index(self, chunk_lens: np.ndarray) -> np.ndarray:
-        """[pcp m sum c] gathered row of each restored row (the runs of :meth:`restore_runs`)."""
-        return chunk_ranges(self.restore_runs(chunk_lens), chunk_lens[:, None])
-
     def plan(self, new_lens: np.ndarray, rank: int, windowed: bool = False) -> PCPSplit:
         """The :class:`PCPSplit` of prefills with ``new_lens`` ([P]) new tokens for ``rank``.
 
