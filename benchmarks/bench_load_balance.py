@@ -1,7 +1,7 @@
 """Load balance of causal prefill work over PCP ranks: head/tail split vs contiguous split.
 
 Planner only (no processes): the head/tail rows of each rank come from
-``cp_attention.metadata.pcp.plan_pcp_split``. The causal work of a query row at position p is
+``cp_attention.metadata.pcp.HeadTail``. The causal work of a query row at position p is
 the number of keys it sees, p + 1 (pads count 0). A contiguous split gives rank r the tokens
 [r L/P, (r+1) L/P). Reported: max/mean of work over ranks (1.0 = perfect balance).
 
@@ -19,7 +19,7 @@ import numpy as np
 
 from benchmarks.common import (human_tokens, new_figure, parse_args, save_figure, token_ticks,
                                write_json)
-from cp_attention.metadata.pcp import plan_pcp_split
+from cp_attention.metadata.pcp import HeadTail
 
 NAME = "bench_load_balance"
 PCP_SIZES = (2, 3, 4, 6, 8)
@@ -30,10 +30,10 @@ MIXED_BATCH = (131072, 7, 4097, 65536, 1000, 32768, 3, 16384)  # one step, sever
 def head_tail_work(new_lens: np.ndarray, pcp: int) -> np.ndarray:
     """[pcp] causal work (keys seen, summed over real query rows) of each rank."""
     work = np.zeros(pcp, dtype=np.float64)
+    partition = HeadTail(pcp)
     for rank in range(pcp):
-        split = plan_pcp_split(new_lens, pcp, rank)
-        pos = split.local_padded_pos
-        real = pos < new_lens[split.local_req]
+        req, pos = partition.local_rows(partition.chunk_lens(new_lens), rank)
+        real = pos < new_lens[req]
         work[rank] = float((pos[real] + 1).sum())
     return work
 
@@ -71,7 +71,7 @@ def run(out_dir: str | Path, quick: bool = False) -> dict:
                   for pcp in pcps]
     payload = {
         "what": "max/mean over PCP ranks of causal attention work (keys seen per real query row)",
-        "source": "planner (plan_pcp_split), exact integer work; contiguous = the naive split",
+        "source": "planner (HeadTail.local_rows), exact integer work; contiguous = the naive split",
         "rows": rows,
         "mixed_batch": {"prompts": mixed.tolist(), "rows": mixed_rows},
         "worst_head_tail": max(r["head_tail_max_over_mean"] for r in rows),

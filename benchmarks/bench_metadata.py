@@ -28,7 +28,7 @@ from benchmarks.common import new_figure, parse_args, save_figure, time_call, wr
 from cp_attention.config import CPConfig, CPRanks
 from cp_attention.metadata.builder import CPMetadataBuilder, MetadataBuilder
 from cp_attention.metadata.common import StepSpec
-from cp_attention.metadata.kv_layout import blocks_needed
+from cp_attention.metadata.kv_layout import KVSharding
 
 NAME = "bench_metadata"
 CONFIGS = {"single": CPConfig(block_size=128),
@@ -54,7 +54,7 @@ def make_step(cfg: CPConfig, num_reqs: int, kind: str, seed: int = 0) -> StepSpe
         computed[:] = 0
         scheduled[:] = 131072
     seq = computed + scheduled
-    needed = blocks_needed(seq, cfg.block_size, cfg.kv_world)
+    needed = KVSharding.of(cfg).blocks_needed(seq)
     table = np.zeros((num_reqs, int(needed.max())), dtype=np.int32)
     start = 0
     for r, n in enumerate(needed):  # distinct blocks per request

@@ -33,7 +33,7 @@ from benchmarks.common import (enable_torch_ring_cp_on_cpu, human_tokens, new_fi
 from cp_attention.backend import CPAttentionBackend
 from cp_attention.config import CPConfig, CPRanks
 from cp_attention.metadata.common import StepSpec
-from cp_attention.metadata.kv_layout import blocks_needed
+from cp_attention.metadata.kv_layout import KVSharding
 from cp_attention.ops import get_ops
 from cp_attention.testing.pool import RankPool
 
@@ -45,7 +45,7 @@ def _prepare(pcp: int, rank: int, groups, tokens: int):
     """One rank's layer, metadata, local q/k/v rows and KV cache for a ``tokens`` prefill."""
     cfg = CPConfig(pcp_size=pcp, block_size=128)
     ranks = groups.ranks if groups is not None else CPRanks.of(cfg, rank)
-    num_blocks = int(blocks_needed(np.array([tokens]), cfg.block_size, cfg.kv_world)[0]) + 1
+    num_blocks = int(KVSharding.of(cfg).blocks_needed(np.array([tokens]))[0]) + 1
     builder = CPAttentionBackend.get_builder_cls(cfg)(cfg, ranks, None, num_blocks)
     extra = {"groups": groups} if cfg.uses_cp else {}
     impl = CPAttentionBackend.get_impl_cls(cfg)(HEADS, HEAD_SIZE, HEAD_SIZE ** -0.5, HEADS,

@@ -26,7 +26,7 @@ from cp_attention.impl.cp import CPAttentionImpl
 from cp_attention.metadata.builder import CPMetadataBuilder, MetadataBuilder
 from cp_attention.metadata.checks import validate_ranks, validate_step
 from cp_attention.metadata.common import StepSpec
-from cp_attention.metadata.pcp import plan_pcp_split
+from cp_attention.metadata.pcp import HeadTail
 from cp_attention.ops import CudaOps, NpuOps, ReferenceOps, get_ops
 from cp_attention.ops.checks import (validate_cu_seqlens, validate_kv_cache_shape_args,
                                      validate_merge_inputs, validate_paged_inputs,
@@ -224,8 +224,8 @@ CASES: list[Case] = [
     Case("MetadataBuilder.build", "num_input_tokens=3 < 4 rows", ValueError,
          r"num_input_tokens \(3\) is smaller than the 4 rows",
          lambda: MetadataBuilder().build(step(), num_input_tokens=3)),
-    Case("plan_pcp_split", "pcp_rank=2 of 2", ValueError, r"pcp_rank \(2\) must be in \[0, pcp_size=2\)",
-         lambda: plan_pcp_split([4], 2, 2)),
+    Case("HeadTail.plan", "pcp_rank=2 of 2", ValueError, r"pcp_rank \(2\) must be in \[0, pcp_size=2\)",
+         lambda: HeadTail(2).plan([4], 2)),
     # -- impl constructors -----------------------------------------------------------------
     Case("BaseAttentionImpl", "attn_type='bogus'", ValueError, r"attn_type must be one of .*'bogus'",
          lambda: impl(attn_type="bogus")),

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from cp_attention.backend import CPAttentionBackend
 from cp_attention.config import CPConfig, CPRanks
 from cp_attention.metadata.common import StepSpec
-from cp_attention.metadata.kv_layout import blocks_needed
+from cp_attention.metadata.kv_layout import KVSharding
 from cp_attention.errors import StepError
 from cp_attention.metadata.checks import validate_rank_plans
 
@@ -35,7 +35,7 @@ def make_step(config: CPConfig, requests: list[tuple[int, int]], extra_cols: int
               ) -> tuple[StepSpec, int]:
     """Distinct shuffled blocks per request; returns the step and num_blocks."""
     seq = np.array([c + s for c, s in requests])
-    needed = blocks_needed(seq, config.block_size, config.kv_world)
+    needed = KVSharding.of(config).blocks_needed(seq)
     num_blocks = int(needed.sum()) + 3
     perm = np.random.default_rng(seed).permutation(num_blocks)
     width = int(needed.max()) + extra_cols

@@ -14,8 +14,42 @@ from hypothesis import strategies as st
 from cp_attention.config import CPConfig, CPRanks
 from cp_attention.metadata.builder import CPMetadataBuilder
 from cp_attention.metadata.common import StepSpec, ranges_concat
-from cp_attention.metadata.kv_layout import (blocks_needed, kv_owner, local_count, local_kv_lens,
-                                             local_position, segment_slots, slot_mapping)
+from cp_attention.metadata.kv_layout import KVSharding
+from cp_attention.metadata.vllm_ascend import VllmAscendView
+
+
+# -- KVSharding under the (positions, world, interleave) signatures the checks below use -------
+def kv_owner(positions, world, interleave):
+    return KVSharding(world, interleave).owner(positions)
+
+
+def local_position(positions, world, interleave):
+    return KVSharding(world, interleave).local_position(positions)
+
+
+def local_count(lengths, shard, world, interleave):
+    return KVSharding(world, interleave).local_count(lengths, shard)
+
+
+def local_kv_lens(lengths, world, interleave):
+    """[R, world] local count of each request on each shard."""
+    return KVSharding(world, interleave).local_count(np.asarray(lengths)[:, None],
+                                                     np.arange(world)[None, :])
+
+
+def blocks_needed(lengths, block_size, world):
+    return KVSharding(world, 1, block_size).blocks_needed(lengths)
+
+
+def slot_mapping(req, pos, table, block_size, world, shard, interleave):
+    return KVSharding(world, interleave, block_size).slots(req, pos, table, shard)
+
+
+def segment_slots(req, first_row, first_pos, tokens, rows, table, block_size, world, shard,
+                  interleave):
+    return KVSharding(world, interleave, block_size).segment_slots(req, first_row, first_pos,
+                                                                   tokens, rows, table, shard)
+
 
 SETTINGS = settings(derandomize=True, deadline=None, max_examples=150)
 WORLDS = st.integers(1, 8)
@@ -228,13 +262,14 @@ def test_builder_local_context_lengths_match_brute_force(config, interleave, req
         meta = CPMetadataBuilder(cfg, ranks).build(step)
         expected = np.array([[[brute_count(0, c, _shard(cfg, p, d), cfg.kv_world, interleave)
                                for d in range(dcp)] for p in range(pcp)] for c in computed])
-        assert np.array_equal(meta.num_computed_tokens_of_pcp_dcp, expected)
+        view = VllmAscendView(meta, step, cfg)  # vLLM-Ascend's names of the plan
+        assert np.array_equal(view.num_computed_tokens_of_pcp_dcp, expected)
         mine = _shard(cfg, ranks.pcp_rank, ranks.dcp_rank)
         order = np.concatenate([meta.decode_reqs, meta.prefill_reqs])  # context order
         local = np.array([brute_count(0, computed[r], mine, cfg.kv_world, interleave)
                           for r in order])
         assert meta.ctx_seq_lens.tolist() == local.tolist()
-        assert meta.batch_seq_mask.tolist() == (local == 0).tolist()
+        assert view.batch_seq_mask.tolist() == (local == 0).tolist()
         assert meta.ctx_kv_start is None and meta.ctx_kv_end is None  # no window: whole shard
 
 

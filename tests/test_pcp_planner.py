@@ -9,6 +9,7 @@ on every PCP rank; global token index = index into the step's new tokens in batc
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -18,8 +19,9 @@ from hypothesis import strategies as st
 
 from cp_attention.config import CPConfig, CPRanks
 from cp_attention.metadata.builder import AttentionMetadata, CPMetadataBuilder
-from cp_attention.metadata.common import StepSpec
-from cp_attention.metadata.pcp import plan_pcp_split, restore_index, scatter_index
+from cp_attention.metadata.common import StepSpec, ranges_concat
+from cp_attention.metadata.pcp import HeadTail
+from cp_attention.metadata.vllm_ascend import VllmAscendView
 
 PCP_SIZES = (2, 3, 4, 8)
 SETTINGS = dict(derandomize=True, deadline=None, max_examples=60)
@@ -121,6 +123,16 @@ def lst(t: torch.Tensor) -> list:
     return t.tolist()
 
 
+def plan_pcp_split(new_lens, pcp: int, rank: int, windowed: bool = False):
+    """The HeadTail split of prefills of ``new_lens`` new tokens for ``rank``."""
+    return HeadTail(pcp).plan(np.asarray(new_lens, dtype=np.int64), rank, windowed)
+
+
+def ascend(split) -> VllmAscendView:
+    """vLLM-Ascend's names of a split (the view of a plan holding only ``split``)."""
+    return VllmAscendView(SimpleNamespace(pcp=split))
+
+
 # --------------------------------------------------------------------------------------------
 # Ownership, restore, head/tail index sets, positions
 # --------------------------------------------------------------------------------------------
@@ -170,7 +182,7 @@ def test_local_rows_positions_and_head_tail_index_sets(reqs, pcp):
     chunks = [chunk_of(r, pcp) for _, r in prefills]
     for rank in range(pcp):
         meta = metas[(rank, 0)]
-        split, nd = meta.pcp, meta.num_decode_tokens
+        split, nd = VllmAscendView(meta), meta.num_decode_tokens
         tokens, positions = expected_local(reqs, pcp, rank)
         local = meta.local_token_idx[nd:]
         assert lst(local) == tokens
@@ -186,10 +198,10 @@ def test_local_rows_positions_and_head_tail_index_sets(reqs, pcp):
             assert all(0 <= v < n_local for v in values), name
         assert sorted(lst(split.q_full_idx)) == list(range(n_local))
         # K/V index sets (into the restored rows) are the expected chunk ranges.
-        for kind, chunk in (("head", rank), ("tail", 2 * pcp - 1 - rank)):
+        for slot, kind, chunk in ((0, "head", rank), (1, "tail", 2 * pcp - 1 - rank)):
             nomask = getattr(split, f"kv_with_q_{kind}_nomask_idx")
             mask = getattr(split, f"kv_with_q_{kind}_mask_idx")
-            both = getattr(split, f"kv_with_q_{kind}_idx")
+            both = meta.pcp.chunks[slot].kv_idx  # the windowed call's keys
             seqlens = getattr(split, f"{kind}_attn_nomask_seqlens")
             for idx in (nomask, mask, both):
                 assert all(0 <= v < len(restored) for v in lst(idx))
@@ -273,9 +285,11 @@ def test_padded_head_tail_work_is_exactly_equal(data, pcp):
         reqs = [Req(0, 7)]
     work = []
     for rank in range(pcp):
-        split = plan_pcp_split(np.array([r.new for r in reqs]), pcp, rank)
-        ctx = np.array([r.computed for r in reqs])[split.local_req]
-        work.append(int((ctx + split.local_padded_pos + 1).sum()))
+        partition = HeadTail(pcp)
+        req, pos = partition.local_rows(partition.chunk_lens(np.array([r.new for r in reqs])),
+                                        rank)
+        ctx = np.array([r.computed for r in reqs])[req]
+        work.append(int((ctx + pos + 1).sum()))
     assert len(set(work)) == 1, work
 
 
@@ -393,8 +407,9 @@ def test_closed_form_restore_and_scatter_equal_argsort(new_lens, pcp, data):
     restore = split.pcp_allgather_restore_idx.numpy()
     assert np.array_equal(restore, expected)
     assert np.array_equal(split.pcp_allgather_scatter_idx.numpy(), np.argsort(expected))
-    assert np.array_equal(restore_index(split.chunk_lens, pcp), expected)
-    assert np.array_equal(scatter_index(split.chunk_lens, pcp)[expected], np.arange(len(expected)))
+    runs = split.partition.restore_runs(split.chunk_lens)  # [P, 2 pcp] first gathered rows
+    assert np.array_equal(ranges_concat(runs.reshape(-1), split.chunk_lens.repeat(2 * pcp)),
+                          expected)
 
 
 @settings(**SETTINGS)
@@ -405,17 +420,19 @@ def test_split_indices_in_range_and_offsets_match_lengths(new_lens, pcp, data):
     ChunkPlan views carry the chunk's own fields."""
     rank = data.draw(st.integers(0, pcp - 1))
     windowed = data.draw(st.booleans())
-    split = plan_pcp_split(np.array(new_lens, dtype=np.int64), pcp, rank, windowed=windowed)
+    plan = plan_pcp_split(np.array(new_lens, dtype=np.int64), pcp, rank, windowed=windowed)
+    split = ascend(plan)
     chunks = np.array([-(-n // (2 * pcp)) for n in new_lens], dtype=np.int64)
     local, restored = 2 * int(chunks.sum()), 2 * pcp * int(chunks.sum())
-    assert split.num_local_rows == local
+    assert plan.num_local_rows == local
     for name in ("q_head_idx", "q_tail_idx", "q_full_idx"):
         idx = getattr(split, name).numpy()
         assert idx.dtype == np.int64 and ((0 <= idx) & (idx < local)).all(), name
     for name in ("kv_with_q_head_nomask_idx", "kv_with_q_head_mask_idx",
                  "kv_with_q_tail_nomask_idx", "kv_with_q_tail_mask_idx",
                  "kv_with_q_head_idx", "kv_with_q_tail_idx"):
-        idx = getattr(split, name)
+        idx = (plan.chunks[name == "kv_with_q_tail_idx"].kv_idx if name.endswith("q_head_idx")
+               or name.endswith("q_tail_idx") else getattr(split, name))
         if idx is None:
             assert not windowed and name in ("kv_with_q_head_idx", "kv_with_q_tail_idx")
             continue
@@ -427,25 +444,25 @@ def test_split_indices_in_range_and_offsets_match_lengths(new_lens, pcp, data):
     def cum(lengths) -> list[int]:
         return [0] + np.cumsum(np.asarray(lengths, dtype=np.int64)).tolist()
 
-    assert lst(split.chunk_cu_seqlens) == cum(split.attn_mask_seqlens[0]) == cum(chunks)
-    assert lst(split.chunk_cu_seqlens) == cum(split.attn_mask_seqlens[1])
-    assert lst(split.head_nomask_cu_seqlens_k) == cum(split.head_attn_nomask_seqlens[1])
-    assert lst(split.tail_nomask_cu_seqlens_k) == cum(split.tail_attn_nomask_seqlens[1])
-    for plan, chunk in ((split.head, rank), (split.tail, 2 * pcp - 1 - rank)):
-        assert plan.index == chunk
-        assert lst(plan.nomask_cu_seqlens_k) == cum(chunk * chunks)
-        assert len(plan.kv_nomask_idx) == chunk * int(chunks.sum())
-        assert lst(plan.cu_seqlens_k) == cum((chunk + 1) * chunks)
+    assert lst(plan.chunk_cu_seqlens) == cum(split.attn_mask_seqlens[0]) == cum(chunks)
+    assert lst(plan.chunk_cu_seqlens) == cum(split.attn_mask_seqlens[1])
+    assert lst(plan.chunks[0].nomask_cu_seqlens_k) == cum(split.head_attn_nomask_seqlens[1])
+    assert lst(plan.chunks[1].nomask_cu_seqlens_k) == cum(split.tail_attn_nomask_seqlens[1])
+    for chunk_plan, chunk in zip(plan.chunks, (rank, 2 * pcp - 1 - rank)):
+        assert chunk_plan.index == chunk
+        assert lst(chunk_plan.nomask_cu_seqlens_k) == cum(chunk * chunks)
+        assert len(chunk_plan.kv_nomask_idx) == chunk * int(chunks.sum())
+        assert lst(chunk_plan.cu_seqlens_k) == cum((chunk + 1) * chunks)
         if windowed:
-            assert len(plan.kv_idx) == (chunk + 1) * int(chunks.sum())
-    assert split.head.q_idx is split.q_head_idx and split.tail.q_idx is split.q_tail_idx
+            assert len(chunk_plan.kv_idx) == (chunk + 1) * int(chunks.sum())
+    assert plan.chunks[0].q_idx is split.q_head_idx and plan.chunks[1].q_idx is split.q_tail_idx
     # Bookkeeping rows agree with the index tensors.
-    order = split.restored_req * (1 << 32) + split.restored_padded_pos
+    restored_req, restored_pos = plan.partition.restored_rows(plan.chunk_lens)
+    order = restored_req * (1 << 32) + restored_pos
     assert (np.diff(order) > 0).all()
-    gathered_req = np.concatenate([plan_pcp_split(np.array(new_lens, dtype=np.int64), pcp, r)
-                                   .local_req for r in range(pcp)])
-    assert np.array_equal(gathered_req[split.pcp_allgather_restore_idx.numpy()],
-                          split.restored_req)
+    gathered_req = np.concatenate([plan.partition.local_rows(plan.chunk_lens, r)[0]
+                                   for r in range(pcp)])
+    assert np.array_equal(gathered_req[plan.pcp_allgather_restore_idx.numpy()], restored_req)
 
 
 @settings(**SETTINGS)

@@ -11,6 +11,7 @@ import torch
 from cp_attention.config import CPConfig, CPRanks
 from cp_attention.metadata.builder import CPMetadataBuilder
 from cp_attention.metadata.common import AttentionState, StepSpec
+from cp_attention.metadata.vllm_ascend import VllmAscendView
 
 # Request 0 (5 tokens, global tokens 0..4): c = ceil(5/4) = 2, padded to 8 rows.
 # Request 1 (8 tokens, global tokens 5..12): c = 2, no pad.
@@ -72,8 +73,9 @@ def _meta(rank: int, kv_shard: str = "cp"):
 def test_split_indices(rank):
     split = _meta(rank).pcp
     assert split.chunk_lens.tolist() == [2, 2]
+    view = VllmAscendView(_meta(rank))
     for name, expected in EXPECTED[rank].items():
-        assert getattr(split, name).tolist() == expected, name
+        assert getattr(view, name).tolist() == expected, name
     assert split.pcp_allgather_scatter_idx.tolist() == \
         [0, 1, 6, 7, 8, 9, 14, 15, 2, 3, 4, 5, 10, 11, 12, 13]
 
@@ -81,7 +83,7 @@ def test_split_indices(rank):
 @pytest.mark.parametrize("rank", [0, 1])
 def test_rows_and_slots(rank):
     meta = _meta(rank)
-    assert meta.state is AttentionState.PrefillNoCache
+    assert VllmAscendView(meta).attn_state is AttentionState.PrefillNoCache
     assert meta.num_decode_tokens == 0 and meta.num_actual_tokens == 8
     tokens, positions = EXPECTED_ROWS[rank]
     assert meta.local_token_idx.tolist() == tokens

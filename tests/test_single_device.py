@@ -11,6 +11,7 @@ from cp_attention import (AttentionMetadata, AttentionState, CPAttentionBackend,
                           CPMetadataBuilder, CPRanks, MetadataBuilder, StepSpec)
 from cp_attention.errors import AttentionLayerError
 from cp_attention.impl.base import BaseAttentionImpl
+from cp_attention.metadata.vllm_ascend import VllmAscendView
 from cp_attention.ops.reference import ReferenceOps
 from cp_attention.testing.workload import Workload, run_workload
 
@@ -47,7 +48,7 @@ def test_each_state_matches_reference(state, dtype, num_kv_heads):
             computed[r] = computed.get(r, 0) + n
     spec = StepSpec(tuple(computed.get(r, 0) for r, _ in last), tuple(n for _, n in last),
                     torch.zeros(len(last), 8, dtype=torch.int32))
-    assert MetadataBuilder(config).build(spec).state == state
+    assert VllmAscendView(MetadataBuilder(config).build(spec)).attn_state == state
     rep = _run(steps, dtype, threshold=threshold, num_heads=4, num_kv_heads=num_kv_heads)
     assert rep.max_err <= TOL[dtype]
 
@@ -95,7 +96,7 @@ def test_graph_capture_padding_zeroes_extra_rows():
     config = CPConfig()
     builder = MetadataBuilder(config)
     meta = builder.build_for_graph_capture(4)
-    assert meta.state == AttentionState.DecodeOnly and meta.num_actual_tokens == 4
+    assert VllmAscendView(meta).attn_state == AttentionState.DecodeOnly and meta.num_actual_tokens == 4
     spec = StepSpec((3, 5), (1, 1), torch.tensor([[0], [1]], dtype=torch.int32))
     meta = builder.build(spec, num_input_tokens=8)
     assert meta.num_input_tokens == 8 and meta.local_token_idx.tolist()[2:] == [-1] * 6

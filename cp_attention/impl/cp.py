@@ -73,7 +73,7 @@ class CPAttentionImpl(BaseAttentionImpl):
             return super()._prefill_self_attention(q, k, v, step_kv, meta)
         nd = meta.num_decode_tokens
         q_pre, k_loc, v_loc = q[nd:], k[nd:], v[nd:]
-        head, tail = split.head, split.tail
+        head, tail = split.chunks  # HeadTail: two chunks per rank
         cu_q = split.chunk_cu_seqlens
         head_q, head_diag = self._chunk_diagonal(q_pre, k_loc, v_loc, head, cu_q)
         tail_q, tail_diag = self._chunk_diagonal(q_pre, k_loc, v_loc, tail, cu_q)

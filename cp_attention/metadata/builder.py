@@ -23,10 +23,9 @@ import torch
 
 from cp_attention.config import CPConfig, CPRanks
 from cp_attention.metadata.checks import validate_ranks, validate_step
-from cp_attention.metadata.common import (AttentionState, StepSpec, classify_state, cumsum0,
-                                          decode_mask, ranges_concat)
-from cp_attention.metadata.kv_layout import blocks_needed, local_count, segment_slots
-from cp_attention.metadata.pcp import PCPSplit, plan_pcp_split
+from cp_attention.metadata.common import StepSpec, cumsum0, decode_mask, ranges_concat
+from cp_attention.metadata.kv_layout import KVSharding
+from cp_attention.metadata.pcp import HeadTail, PCPSplit, PrefillPartition
 
 
 @dataclass
@@ -34,10 +33,10 @@ class AttentionMetadata:
     """Everything one rank's attention needs for one step.
 
     Kernel inputs are int64 CPU tensors (``ctx_block_table`` keeps the step's block-table
-    dtype); host bookkeeping (request lists, per-rank lengths) is int64 numpy.
+    dtype); host bookkeeping (request lists) is int64 numpy. vLLM-Ascend's names (attn_state,
+    ``batch_seq_mask``, ...) are a view: :mod:`cp_attention.metadata.vllm_ascend`.
     """
 
-    state: AttentionState
     decode_reqs: np.ndarray  # [Nd] batch indices of decodes (batch order)
     prefill_reqs: np.ndarray  # [Np] batch indices of prefills (batch order)
     num_decode_tokens: int
@@ -48,7 +47,7 @@ class AttentionMetadata:
     pad_rows: torch.Tensor | None  # [num_actual_tokens] bool, True on PCP pads; None: no pads
     decode_cu_seqlens: torch.Tensor  # [Nd + 1] over the decode rows
     prefill_cu_seqlens: torch.Tensor  # [Np + 1] over the local prefill rows
-    pcp: PCPSplit | None  # head/tail split when pcp_size > 1
+    pcp: PCPSplit | None  # the prefill partition's split when pcp_size > 1
     prefill_real_cu_seqlens: torch.Tensor  # [Np + 1] over prefill_real_kv_idx
     step_slot_mapping: torch.Tensor  # [step rows] cache slot on this rank, -1 = not stored here
     has_context: bool  # some request has cached context (same on every rank)
@@ -58,7 +57,6 @@ class AttentionMetadata:
     ctx_seq_lens: torch.Tensor  # [R] cached tokens of each request held by this rank
     ctx_kv_start: torch.Tensor | None  # [context rows] local visible range (sliding window)
     ctx_kv_end: torch.Tensor | None
-    num_computed_tokens_of_pcp_dcp: np.ndarray  # [R, pcp, dcp] local context lengths, batch order
     sliding_window: int | None
     single_pass: SinglePass | None  # decode-only step, queries not gathered over PCP; else None
 
@@ -67,23 +65,13 @@ class AttentionMetadata:
         """[prefill tokens] step rows of the prefills' real tokens (encoder-only attention,
         which alone reads it: made on first use, once per step)."""
         new_lens = np.diff(self.prefill_real_cu_seqlens.numpy())
-        rows = new_lens if self.pcp is None else 2 * self.pcp.pcp_size * self.pcp.chunk_lens
+        rows = new_lens if self.pcp is None else self.pcp.padded_lens
         first_row = self.num_decode_tokens + cumsum0(rows)[:-1]
         return torch.from_numpy(ranges_concat(first_row, new_lens))
 
     @property
-    def batch_seq_mask(self) -> torch.Tensor:
-        """[R] bool, True where this rank holds no context of the request (vLLM-Ascend's
-        name; no kernel here reads it)."""
-        return self.ctx_seq_lens == 0
-
-    @property
     def num_reqs(self) -> int:
         return len(self.decode_reqs) + len(self.prefill_reqs)
-
-    @property
-    def num_prefills(self) -> int:
-        return len(self.prefill_reqs)
 
     @property
     def num_decodes(self) -> int:
@@ -145,12 +133,11 @@ def whole_requests(reqs: np.ndarray, new_lens: np.ndarray, rows: np.ndarray) -> 
 
 
 def pcp_local_rows(prefills: np.ndarray, new_lens: np.ndarray, split: PCPSplit) -> RowLayout:
-    """Each prefill's head chunk then its tail chunk (2 segments of c rows per prefill)."""
-    c = split.chunk_lens
-    start = np.multiply.outer(c, (split.head_chunk, split.tail_chunk)).reshape(-1)
-    length = c.repeat(2)
-    real = np.minimum(np.maximum(new_lens.repeat(2) - start, 0), length)
-    return RowLayout(prefills.repeat(2), start, length, real)
+    """Each prefill's chunks of this rank in local order (m segments of c rows per prefill)."""
+    start, length = split.partition.local_segments(split.chunk_lens, split.pcp_rank)
+    m = split.partition.chunks_per_rank
+    real = np.minimum(np.maximum(new_lens.repeat(m) - start, 0), length)
+    return RowLayout(prefills.repeat(m), start, length, real)
 
 
 # -- stages ---------------------------------------------------------------------------------
@@ -165,16 +152,18 @@ class PrefillPlan:
     local_rows_per_req: np.ndarray  # [Np]
 
 
-def plan_prefills(prefills: np.ndarray, new_lens: np.ndarray, pcp_size: int, pcp_rank: int,
-                  windowed: bool) -> PrefillPlan:
-    """The prefill rows (local and step) of a rank; new_lens: [Np] new tokens per prefill."""
-    if pcp_size == 1:
+def plan_prefills(prefills: np.ndarray, new_lens: np.ndarray,
+                  partition: PrefillPartition | None, pcp_rank: int, windowed: bool
+                  ) -> PrefillPlan:
+    """The prefill rows (local and step) of a rank; new_lens: [Np] new tokens per prefill;
+    partition: how prefills are cut over PCP ranks (None: pcp_size == 1)."""
+    if partition is None:
         rows = whole_requests(prefills, new_lens, new_lens)
         return PrefillPlan(prefills, None, rows, rows, new_lens)
-    split = plan_pcp_split(new_lens, pcp_size, pcp_rank, windowed)
-    padded = 2 * pcp_size * split.chunk_lens
+    split = partition.plan(new_lens, pcp_rank, windowed)
     return PrefillPlan(prefills, split, pcp_local_rows(prefills, new_lens, split),
-                       whole_requests(prefills, new_lens, padded), 2 * split.chunk_lens)
+                       whole_requests(prefills, new_lens, split.padded_lens),
+                       partition.chunks_per_rank * split.chunk_lens)
 
 
 def token_rows(rows: RowLayout, step: StepSpec, num_input: int
@@ -196,13 +185,12 @@ def token_rows(rows: RowLayout, step: StepSpec, num_input: int
 
 
 def step_slot_mapping(rows: RowLayout, cu_rows: np.ndarray, step: StepSpec,
-                      block_table: np.ndarray, config: CPConfig, kv_rank: int) -> np.ndarray:
+                      block_table: np.ndarray, sharding: KVSharding, kv_rank: int) -> np.ndarray:
     """[step rows] cache slot of each step row on KV shard ``kv_rank``, -1 elsewhere.
 
     cu_rows: [S + 1] ``cumsum0(rows.length)`` (one segment per request for step rows)."""
-    return segment_slots(rows.req, cu_rows[:-1], step.computed[rows.req] + rows.start, rows.real,
-                         int(cu_rows[-1]), block_table, config.block_size, config.kv_world,
-                         kv_rank, config.cp_kv_interleave_size)
+    return sharding.segment_slots(rows.req, cu_rows[:-1], step.computed[rows.req] + rows.start,
+                                  rows.real, int(cu_rows[-1]), block_table, kv_rank)
 
 
 @dataclass(frozen=True)
@@ -214,38 +202,34 @@ class ContextPlan:
     order: np.ndarray  # [R] batch index of each request in context order
     cu_rows: np.ndarray  # [R + 1] context rows before each request
     seq_lens: np.ndarray  # [R] cached tokens of each request held by this rank
-    per_rank: np.ndarray  # [R, pcp, dcp] cached tokens held by every rank, batch order
 
 
-def plan_context(step: StepSpec, config: CPConfig, ranks: CPRanks, shard_grid: np.ndarray,
+def plan_context(step: StepSpec, config: CPConfig, sharding: KVSharding, kv_rank: int,
                  order: np.ndarray, local: tuple[RowLayout, np.ndarray],
                  step_rows: tuple[RowLayout, np.ndarray], split: PCPSplit | None) -> ContextPlan:
-    """Which rows query the cached context, and how much of it each rank holds.
+    """Which rows query the cached context, and how much of it this rank holds.
 
     order: [R] batch index of each request in context order (decodes, then prefills);
     local / step_rows: (layout, cu rows per request [R + 1]) of the local and step rows."""
     over_pcp = split is not None and config.kv_shard == "cp"
     rows, cu_rows = step_rows if over_pcp else local
-    per_rank = local_count(step.computed[:, None, None], shard_grid[None], config.kv_world,
-                           config.cp_kv_interleave_size)
-    seq_lens = per_rank[order, ranks.pcp_rank, ranks.dcp_rank]
-    return ContextPlan(over_pcp, rows, order, cu_rows, seq_lens, per_rank)
+    return ContextPlan(over_pcp, rows, order, cu_rows,
+                       sharding.local_count(step.computed[order], kv_rank))
 
 
-def window_ranges(rows: RowLayout, step: StepSpec, window: int, config: CPConfig, kv_rank: int
-                  ) -> tuple[np.ndarray, np.ndarray]:
+def window_ranges(rows: RowLayout, step: StepSpec, window: int, sharding: KVSharding,
+                  kv_rank: int) -> tuple[np.ndarray, np.ndarray]:
     """[context rows] local key range [start, end) a query sees on this shard (sliding window).
 
     A query at position p sees global keys [max(0, p - window + 1), p]; of these the cache
     holds [.., context) (p >= context), stored here as local [local_count(lo), local_count(C)).
     """
-    world, inter = config.kv_world, config.cp_kv_interleave_size
     context = step.computed[rows.req]
     pos = rows.ranges(context + rows.start)
     context_of_row = np.repeat(context, rows.length)
     lo = np.minimum(np.maximum(pos - window + 1, 0), context_of_row)
-    start = local_count(lo, kv_rank, world, inter)
-    end = np.repeat(local_count(context, kv_rank, world, inter), rows.length)
+    start = sharding.local_count(lo, kv_rank)
+    end = np.repeat(sharding.local_count(context, kv_rank), rows.length)
     pads = rows.pad_rows()
     if pads is not None:
         start[pads] = 0
@@ -253,28 +237,21 @@ def window_ranges(rows: RowLayout, step: StepSpec, window: int, config: CPConfig
     return start, end
 
 
-def single_pass(rows: RowLayout, step: StepSpec, window: int | None, config: CPConfig,
+def single_pass(rows: RowLayout, step: StepSpec, window: int | None, sharding: KVSharding,
                 kv_rank: int) -> SinglePass:
     """The :class:`SinglePass` of a decode-only step on KV shard ``kv_rank`` (``rows``: one
     segment per request, batch order): a row at position p sees the keys
     [max(0, p - window + 1), p] of the written cache that this shard holds."""
-    world, inter = config.kv_world, config.cp_kv_interleave_size
+    count = sharding.local_count
     context = step.computed[rows.req]
-    seq_lens = _t(local_count(context + rows.length, kv_rank, world, inter))
+    seq_lens = _t(count(context + rows.length, kv_rank))
     if window is None and (rows.length == 1).all():
         return SinglePass(seq_lens, None, None)  # each row sees its whole request
     pos = rows.ranges(context)
-    end = _t(local_count(pos + 1, kv_rank, world, inter))
+    end = _t(count(pos + 1, kv_rank))
     if window is None:
         return SinglePass(seq_lens, None, end)
-    return SinglePass(seq_lens, _t(local_count(np.maximum(pos - window + 1, 0), kv_rank, world,
-                                               inter)), end)
-
-
-def kv_shard_grid(config: CPConfig) -> np.ndarray:
-    """[pcp, dcp] KV shard index of every (pcp_rank, dcp_rank)."""
-    pcp, dcp = np.arange(config.pcp_size)[:, None], np.arange(config.dcp_size)[None, :]
-    return pcp * config.dcp_size + dcp if config.kv_shard == "cp" else 0 * pcp + dcp
+    return SinglePass(seq_lens, _t(count(np.maximum(pos - window + 1, 0), kv_rank)), end)
 
 
 class MetadataBuilder:
@@ -300,7 +277,8 @@ class MetadataBuilder:
         self.sliding_window = sliding_window
         self.num_blocks = num_blocks
         self.kv_rank = self.config.kv_rank(self.ranks.pcp_rank, self.ranks.dcp_rank)
-        self._shard_grid = kv_shard_grid(self.config)
+        self.sharding = KVSharding.of(self.config)
+        self.partition = HeadTail(self.config.pcp_size) if self.config.pcp_size > 1 else None
 
     def build_for_graph_capture(self, num_tokens: int, max_blocks: int = 1) -> AttentionMetadata:
         """Metadata of a dummy decode-only batch of ``num_tokens`` requests (graph capture)."""
@@ -321,8 +299,8 @@ class MetadataBuilder:
         decodes, prefills = is_decode.nonzero()[0], (~is_decode).nonzero()[0]
         dec_lens, new_lens = step.scheduled[decodes], step.scheduled[prefills]
         dec_rows = whole_requests(decodes, dec_lens, dec_lens)
-        pre = plan_prefills(prefills, new_lens, cfg.pcp_size, self.ranks.pcp_rank,
-                           self.sliding_window is not None)
+        pre = plan_prefills(prefills, new_lens, self.partition, self.ranks.pcp_rank,
+                            self.sliding_window is not None)
         local_rows = dec_rows + pre.local
         # [R + 1] rows before each request (decodes, then prefills), local and step rows
         cu_local = cumsum0(np.concatenate([dec_lens, pre.local_rows_per_req]))
@@ -338,21 +316,20 @@ class MetadataBuilder:
             raise ValueError(f"num_input_tokens ({num_input}) is smaller than the {num_actual} "
                              f"rows this rank computes")
         tokens, positions, pads = token_rows(local_rows, step, num_input)
-        slots = step_slot_mapping(step_rows, cu_step, step, table, cfg, self.kv_rank)
+        slots = step_slot_mapping(step_rows, cu_step, step, table, self.sharding, self.kv_rank)
         order = np.concatenate([decodes, prefills])
-        ctx = plan_context(step, cfg, self.ranks, self._shard_grid, order,
+        ctx = plan_context(step, cfg, self.sharding, self.kv_rank, order,
                            (local_rows, cu_local), (step_rows, cu_step), pre.split)
         kv_start = kv_end = None
         if self.sliding_window is not None:
-            kv_start, kv_end = map(_t, window_ranges(ctx.rows, step, self.sliding_window, cfg,
-                                                     self.kv_rank))
+            kv_start, kv_end = map(_t, window_ranges(ctx.rows, step, self.sliding_window,
+                                                     self.sharding, self.kv_rank))
         decodes_first = num_dec == 0 or decodes[-1] == num_dec - 1
         has_context = bool(step.computed.any())
-        one_pass = (single_pass(dec_rows, step, self.sliding_window, cfg, self.kv_rank)
+        one_pass = (single_pass(dec_rows, step, self.sliding_window, self.sharding, self.kv_rank)
                     if num_dec == step.num_reqs and not ctx.over_pcp else None)
 
         return AttentionMetadata(
-            state=classify_state(step.num_reqs, num_dec, num_dec_rows, has_context),
             decode_reqs=decodes,
             prefill_reqs=prefills,
             num_decode_tokens=num_dec_rows,
@@ -374,7 +351,6 @@ class MetadataBuilder:
             ctx_seq_lens=_t(ctx.seq_lens),
             ctx_kv_start=kv_start,
             ctx_kv_end=kv_end,
-            num_computed_tokens_of_pcp_dcp=ctx.per_rank,
             sliding_window=self.sliding_window,
             single_pass=one_pass,
         )
@@ -384,7 +360,7 @@ class MetadataBuilder:
         cfg = self.config
         have = block_table.shape[1]
         if int(seq_lens.max()) > have * cfg.block_size * cfg.kv_world:  # the longest overflows
-            needed = blocks_needed(seq_lens, cfg.block_size, cfg.kv_world)
+            needed = self.sharding.blocks_needed(seq_lens)
             r = int((needed > have).argmax())
             raise ValueError(f"block_table has {have} blocks per request but request {r} needs "
                              f"{int(needed[r])} for {int(seq_lens[r])} tokens "
@@ -392,7 +368,7 @@ class MetadataBuilder:
         if not block_table.size or (block_table.min() >= 0 and (
                 self.num_blocks is None or block_table.max() < self.num_blocks)):
             return  # the common case, checked without building the mask below
-        needed = blocks_needed(seq_lens, cfg.block_size, cfg.kv_world)
+        needed = self.sharding.blocks_needed(seq_lens)
         used = block_table[np.arange(have)[None, :] < needed[:, None]]
         if (used < 0).any():
             raise ValueError("block_table has a negative block id inside a request's blocks")

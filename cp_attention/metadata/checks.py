@@ -16,7 +16,7 @@ from cp_attention.config import CPConfig, CPRanks, is_int
 from cp_attention.errors import StepError
 from cp_attention.mathutils import ceil_div
 from cp_attention.metadata.common import StepSpec, decode_mask
-from cp_attention.metadata.kv_layout import blocks_needed, kv_owner, local_count, local_position
+from cp_attention.metadata.kv_layout import KVSharding
 
 __all__ = ["validate_rank_plans", "validate_ranks", "validate_step"]
 
@@ -43,7 +43,7 @@ def validate_step(step: StepSpec, config: CPConfig, num_blocks: int | None = Non
     """
     table = step.block_table.detach().cpu().numpy().astype(np.int64)
     seq_lens = step.seq_lens
-    needed = blocks_needed(seq_lens, config.block_size, config.kv_world)
+    needed = KVSharding.of(config).blocks_needed(seq_lens)
     have = table.shape[1]
     virtual = config.block_size * config.kv_world
     for r in range(step.num_reqs):
@@ -107,7 +107,7 @@ def validate_rank_plans(step: StepSpec, config: CPConfig, metas: dict) -> None:
     scheduled = np.asarray(step.num_scheduled_tokens, dtype=np.int64)
     cu_new = step.cu_new_tokens
     table = step.block_table.cpu().numpy().astype(np.int64)
-    world, inter = cfg.kv_world, cfg.cp_kv_interleave_size
+    sharding = KVSharding.of(cfg)
     row_req, row_off = _expected_rows(step, cfg)
     row_real = row_off < scheduled[row_req]
     token_pos = computed[row_req] + row_off
@@ -128,11 +128,7 @@ def validate_rank_plans(step: StepSpec, config: CPConfig, metas: dict) -> None:
                 fail(f"rank ({p},{d}): step_slot_mapping has {len(slots)} rows, expected "
                      f"{len(row_req)}")
             shard = cfg.kv_rank(p, d)
-            mine = row_real & (kv_owner(token_pos, world, inter) == shard)
-            loc = local_position(token_pos, world, inter)
-            expect = np.full(len(row_req), -1, dtype=np.int64)
-            expect[mine] = (table[row_req[mine], loc[mine] // cfg.block_size] * cfg.block_size
-                            + loc[mine] % cfg.block_size)
+            expect = sharding.slots(np.where(row_real, row_req, -1), token_pos, table, shard)
             if not np.array_equal(slots, expect):
                 i = int(np.nonzero(slots != expect)[0][0])
                 fail(f"rank ({p},{d}): step row {i} (request {row_req[i]}, position "
@@ -194,19 +190,18 @@ def _check_rank_ranges(meta, cfg: CPConfig, computed: np.ndarray, p: int,
             fail(f"{where}: pcp_allgather_restore_idx is not a permutation of {total} rows")
         if not np.array_equal(restore[scatter], np.arange(total)):
             fail(f"{where}: pcp_allgather_scatter_idx is not the inverse of the restore index")
-        order = split.restored_req * (1 << 32) + split.restored_padded_pos
-        if (np.diff(order) <= 0).any():
+        restored_req, restored_pos = split.partition.restored_rows(split.chunk_lens)
+        if (np.diff(restored_req * (1 << 32) + restored_pos) <= 0).any():
             fail(f"{where}: restored rows are not in request order")
-        q_all = np.concatenate([split.q_head_idx.numpy(), split.q_tail_idx.numpy()])
+        q_all = np.concatenate([chunk.q_idx.numpy() for chunk in split.chunks])
         if not np.array_equal(np.sort(q_all), np.arange(rows)):
-            fail(f"{where}: q_head_idx + q_tail_idx do not cover the {rows} local rows once")
+            fail(f"{where}: the chunks' q_idx do not cover the {rows} local rows once")
         if not np.array_equal(q_all[split.q_full_idx.numpy()], np.arange(rows)):
             fail(f"{where}: q_full_idx does not restore the local order")
-        for name in ("kv_with_q_head_nomask_idx", "kv_with_q_head_mask_idx",
-                     "kv_with_q_tail_nomask_idx", "kv_with_q_tail_mask_idx"):
-            idx = getattr(split, name).numpy()
-            if len(idx) and (idx.min() < 0 or idx.max() >= total):
-                fail(f"{where}: {name} out of [0, {total})")
+        for chunk in split.chunks:
+            for idx in (chunk.kv_nomask_idx, chunk.kv_idx):
+                if idx is not None and len(idx) and (idx.min() < 0 or idx.max() >= total):
+                    fail(f"{where}: a K/V index of chunk {chunk.index} is out of [0, {total})")
         if meta.num_actual_tokens != meta.num_decode_tokens + rows:
             fail(f"{where}: num_actual_tokens {meta.num_actual_tokens} != decodes "
                  f"{meta.num_decode_tokens} + local prefill rows {rows}")
@@ -223,12 +218,9 @@ def _check_rank_ranges(meta, cfg: CPConfig, computed: np.ndarray, p: int,
         fail(f"{where}: ctx_cu_seqlens ends at {meta.ctx_cu_seqlens[-1]}, expected {expected_ctx}")
     shard = cfg.kv_rank(p, d)
     order = np.concatenate([meta.decode_reqs, meta.prefill_reqs])
-    lens = local_count(computed[order], shard, cfg.kv_world, cfg.cp_kv_interleave_size)
+    lens = KVSharding.of(cfg).local_count(computed[order], shard)
     if not np.array_equal(meta.ctx_seq_lens.numpy(), lens):
         fail(f"{where}: ctx_seq_lens {meta.ctx_seq_lens.tolist()} != {lens.tolist()}")
-    if not np.array_equal(meta.num_computed_tokens_of_pcp_dcp[:, p, d],
-                          local_count(computed, shard, cfg.kv_world, cfg.cp_kv_interleave_size)):
-        fail(f"{where}: num_computed_tokens_of_pcp_dcp[:, {p}, {d}] disagrees with ctx lengths")
     if meta.ctx_kv_start is not None:
         start, end = meta.ctx_kv_start.numpy(), meta.ctx_kv_end.numpy()
         rows_len = np.repeat(lens, np.diff(meta.ctx_cu_seqlens.numpy()))

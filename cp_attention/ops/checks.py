@@ -2,7 +2,8 @@
 
 Two costs, one rule for every op implementation:
   * ``check_*_args``: O(1) (ranks, shapes, dtypes, devices, lengths of the index tensors);
-    every op calls its check on every call;
+    the reference, npu and cuda ops call theirs on every call; the C++ CPU kernels
+    (``ops/cpu.py``) check the same in C++ instead (``TORCH_CHECK*``, not these functions);
   * ``validate_*``: O(n) value checks (slot ranges, monotone offsets, block ids). The ops do
     not run them; the impl runs those of its own inputs once per call in debug mode
     (:func:`cp_attention.impl.checks.check_forward_values`), and callers of the ops may too.

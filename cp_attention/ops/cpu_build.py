@@ -1,7 +1,7 @@
 """Builds and loads the C++ CPU attention kernels (``ops/csrc/*.cpp``) once per machine.
 
 The first call compiles every ``csrc/*.cpp`` into one extension with
-``torch.utils.cpp_extension.load`` (about a minute; ninja + a C++17 compiler), cached in
+``torch.utils.cpp_extension.load`` (about 1-2 minutes here; ninja + a C++17 compiler), cached in
 torch's extension directory (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``)
 under a name that hashes the sources, the flags and the CPU's instruction set, so edited
 sources or another machine never load a stale binary. Processes starting at once share one
@@ -30,7 +30,7 @@ CSRC_DIR = Path(__file__).resolve().parent / "csrc"
 FORCE_ENV = "CP_ATTENTION_OPS"
 _CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fno-math-errno"]
 _LDFLAGS = ["-fopenmp"]
-STALE_LOCK_S = 30 * 60  # a build takes ~1-7 minutes here; an older lock has no live owner
+STALE_LOCK_S = 30 * 60  # a build takes ~1-2 minutes here; an older lock has no live owner
 
 
 def forced_reference() -> bool:

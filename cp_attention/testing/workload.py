@@ -21,7 +21,7 @@ import torch.distributed as dist
 from cp_attention.backend import CPAttentionBackend
 from cp_attention.config import CPConfig, CPRanks, heads_of_rank
 from cp_attention.metadata.common import StepSpec
-from cp_attention.metadata.kv_layout import blocks_needed, kv_owner, local_position
+from cp_attention.metadata.kv_layout import KVSharding
 from cp_attention.ops import AttentionOps, get_ops
 from cp_attention.parallel import CPGroups
 from cp_attention.testing.dense import dense_attention
@@ -79,7 +79,7 @@ def allocate_blocks(w: Workload) -> tuple[dict[int, list[int]], int]:
     """Shuffled distinct virtual blocks per request; returns (blocks per request, num_blocks)."""
     cfg = w.config
     lengths = w.final_lengths
-    needed = {r: int(blocks_needed(np.array([n]), cfg.block_size, cfg.kv_world)[0])
+    needed = {r: int(KVSharding.of(cfg).blocks_needed(np.array([n]))[0])
               for r, n in lengths.items()}
     num_blocks = sum(needed.values()) + w.spare_blocks
     perm = np.random.default_rng(w.seed).permutation(num_blocks).tolist()
@@ -235,8 +235,8 @@ def _cache_matches(w, cache, tokens, blocks, computed, ranks, kv_sel) -> bool:
     expected = torch.zeros_like(cache)
     for r, length in computed.items():
         pos = np.arange(length)
-        mine = pos[kv_owner(pos, cfg.kv_world, cfg.cp_kv_interleave_size) == shard]
-        local = local_position(mine, cfg.kv_world, cfg.cp_kv_interleave_size)
+        mine = pos[KVSharding.of(cfg).owner(pos) == shard]
+        local = KVSharding.of(cfg).local_position(mine)
         table = np.asarray(blocks[r])
         block_ids = torch.from_numpy(table[local // cfg.block_size])
         offsets = torch.from_numpy(local % cfg.block_size)

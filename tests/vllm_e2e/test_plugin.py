@@ -23,7 +23,6 @@ from cp_attention.integrations.vllm.slot_mapping import (cp_slot_mapping,
                                                          install_slot_mapping_shim,
                                                          make_slot_mapping_impl)
 from cp_attention.metadata.builder import CPMetadataBuilder, MetadataBuilder
-from cp_attention.metadata.kv_layout import slot_mapping as our_slot_mapping
 from cp_attention.ops import ReferenceOps
 from cp_attention.testing.dense import dense_attention
 
@@ -31,6 +30,19 @@ pytestmark = pytest.mark.vllm
 
 
 # -- helpers --------------------------------------------------------------------------------
+def vllm_formula_slots(qsl, positions, table, block_size, world, rank, interleave):
+    """vLLM's slot formula (``ComputeSlotMappingKernel``, block_table.py), written here in
+    torch independently of cp_attention's ``KVSharding``: -1 where ``rank`` does not store."""
+    lens = qsl[1:].to(torch.int64) - qsl[:-1].to(torch.int64)
+    req = torch.repeat_interleave(torch.arange(lens.numel()), lens)
+    pos = positions[:int(qsl[-1])].to(torch.int64)
+    vblock, voff = pos // (block_size * world), pos % (block_size * world)
+    local = (voff // interleave) % world == rank
+    offset = (voff // (world * interleave)) * interleave + voff % interleave
+    blocks = table[req, vblock].to(torch.int64)
+    return torch.where(local, blocks * block_size + offset, torch.full_like(offset, -1))
+
+
 def vllm_batch(computed, new, block_size, world=1, rank=0, interleave=1, max_blocks=8, seed=0):
     """A vLLM ``CommonAttentionMetadata`` (CPU) with vLLM-formula slots; also returns positions."""
     from vllm.v1.attention.backend import CommonAttentionMetadata
@@ -43,7 +55,7 @@ def vllm_batch(computed, new, block_size, world=1, rank=0, interleave=1, max_blo
     table = torch.randperm(num_reqs * max_blocks, generator=gen)[:num_reqs * max_blocks]
     table = table.view(num_reqs, max_blocks).to(torch.int32)
     positions = torch.cat([torch.arange(c, c + n) for c, n in zip(computed, new)]).to(torch.int64)
-    slots = cp_slot_mapping(qsl, positions, table, block_size, world, rank, interleave)
+    slots = vllm_formula_slots(qsl, positions, table, block_size, world, rank, interleave)
     meta = CommonAttentionMetadata(
         query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq_lens, num_reqs=num_reqs,
         num_actual_tokens=int(new.sum()), max_query_len=int(new.max()),
@@ -276,19 +288,18 @@ def test_pcp_refusal_list_covers_multimodal_and_mla():
 # -- slot mapping -----------------------------------------------------------------------------
 @pytest.mark.parametrize("world,interleave,block_size", [(1, 1, 16), (2, 1, 16), (2, 16, 32),
                                                          (4, 4, 16), (4, 16, 16), (2, 2, 32)])
-def test_shim_slots_equal_kv_layout_slot_mapping(world, interleave, block_size):
+def test_shim_slots_equal_vllm_formula(world, interleave, block_size):
     rng = np.random.default_rng(world * 100 + interleave + block_size)
     computed = rng.integers(0, 200, size=5)
     new = rng.integers(1, 40, size=5)
     qsl = torch.from_numpy(np.concatenate([[0], np.cumsum(new)]))
     positions = torch.from_numpy(np.concatenate([np.arange(c, c + n) for c, n in zip(computed, new)]))
-    req = np.repeat(np.arange(5), new)
     table = torch.from_numpy(rng.permutation(5 * 16).reshape(5, 16)).to(torch.int32)
     owners = np.zeros(len(positions), dtype=int)
     for rank in range(world):
         shim = cp_slot_mapping(qsl, positions, table, block_size, world, rank, interleave)
-        ours = our_slot_mapping(req, positions.numpy(), table.numpy(), block_size, world, rank,
-                                interleave)
+        ours = vllm_formula_slots(qsl, positions, table, block_size, world, rank,
+                                  interleave).numpy()
         np.testing.assert_array_equal(shim.numpy(), ours)
         owners += ours >= 0
     assert (owners == 1).all()  # every token stored by exactly one DCP rank

@@ -117,7 +117,8 @@ def row_order(meta: AttentionMetadata, num_tokens: int) -> torch.Tensor | None:
     idx = meta.local_token_idx[:meta.num_actual_tokens]
     if meta.num_actual_tokens != num_tokens or bool((idx < 0).any()):
         raise ValueError(f"rows ({meta.num_actual_tokens}, pads included) do not match vLLM's "
-                         f"{num_tokens} tokens one to one (pcp_size > 1 is not supported in vLLM)")
+                         f"{num_tokens} tokens one to one (with pcp_size > 1 the PCP model "
+                         "runner selects rows with local_input_rows, not row_order)")
     if bool((idx == torch.arange(num_tokens)).all()):
         return None
     return idx
@@ -175,8 +176,8 @@ def step_row_tokens(meta: AttentionMetadata, step: StepSpec) -> torch.Tensor:
     split, nd = meta.pcp, meta.num_decode_tokens
     if split is None:
         return meta.local_token_idx[:meta.num_actual_tokens]
-    req = meta.prefill_reqs[split.restored_req]
-    pos = split.restored_padded_pos
+    req, pos = split.partition.restored_rows(split.chunk_lens)
+    req = meta.prefill_reqs[req]
     new = np.asarray(step.num_scheduled_tokens, dtype=np.int64)[req]
     tokens = np.where(pos < new, step.cu_new_tokens[req] + pos, -1)
     return torch.cat([meta.local_token_idx[:nd], torch.from_numpy(tokens.astype(np.int64))])

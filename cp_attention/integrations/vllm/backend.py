@@ -115,7 +115,7 @@ class CPVllmBackend(AttentionBackend):
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
-        return []  # any head size (pure torch ops)
+        return []  # any head size (the C++ CPU kernels and the torch fallback take any)
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple:
@@ -177,7 +177,7 @@ class CPVllmMetadataBuilder(AttentionMetadataBuilder[CPVllmMetadata]):
 
 
 class CPVllmImpl(AttentionImpl[CPVllmMetadata]):
-    """Wraps :class:`BaseAttentionImpl` (no CP) or :class:`CPAttentionImpl` (DCP)."""
+    """Wraps :class:`BaseAttentionImpl` (no CP) or :class:`CPAttentionImpl` (PCP and/or DCP)."""
 
     can_return_lse_for_decode: bool = True  # the DCP combine merges by LSE (cp_utils.py:51)
     supports_dcp: bool = True

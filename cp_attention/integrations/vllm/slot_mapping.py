@@ -1,18 +1,20 @@
-"""CP-aware CPU replacement for vLLM's slot-mapping kernel (pure torch; imports vLLM lazily).
+"""CP-aware CPU replacement for vLLM's slot-mapping kernel (imports vLLM lazily).
 
 vLLM computes each new token's KV-cache slot with a Triton kernel
 (``vllm/v1/worker/block_table.py``, ``ComputeSlotMappingKernel.kernel``); on CPU the platform
 swaps in ``vllm.utils.cpu_triton_utils._compute_slot_mapping_kernel_impl``, which asserts a CP
-world of 1 (``cpu_triton_utils.py:27``). Under DCP every rank stores the tokens it owns:
-block-table entries are virtual blocks of ``block_size * world`` tokens, token ``p`` is owned
-by rank ``(p // I) % world`` (``I`` = ``cp_kv_cache_interleave_size``) and stored at local
-offset ``(p // (I * world)) * I + p % I`` of its virtual block; other ranks get ``PAD_ID``.
+world of 1 (``cpu_triton_utils.py:27``). Under DCP every rank stores the tokens it owns, at the
+slots of :class:`~cp_attention.metadata.kv_layout.KVSharding` (the builder's definition);
+other ranks get ``PAD_ID``.
 """
 from __future__ import annotations
 
 from typing import Callable
 
+import numpy as np
 import torch
+
+from cp_attention.metadata.kv_layout import KVSharding
 
 _MARK = "_cp_attention_slot_mapping"
 
@@ -23,23 +25,22 @@ def cp_slot_mapping(query_start_loc: torch.Tensor, positions: torch.Tensor,
     """Slots of the step's tokens on ``rank``: int64 [num_tokens], ``pad_id`` where not stored.
 
     query_start_loc: [R + 1] token offsets per request; positions: [>= num_tokens] global
-    positions; block_table: [>= R, max_blocks] virtual block ids.
+    positions; block_table: [>= R, max_blocks] virtual block ids (CPU tensors).
     """
-    qsl = query_start_loc.to(torch.int64)
+    qsl = query_start_loc.to(torch.int64).cpu().numpy()
     num_tokens = int(qsl[-1])
-    lens = qsl[1:] - qsl[:-1]
-    req = torch.repeat_interleave(torch.arange(lens.numel()), lens)
-    pos = positions[:num_tokens].to(torch.int64)
-    virtual = block_size * world
-    vblock, voff = pos // virtual, pos % virtual
-    local = (voff // interleave) % world == rank
-    offset = (voff // (world * interleave)) * interleave + voff % interleave
-    blocks = block_table[req, vblock].to(torch.int64)
-    return torch.where(local, blocks * block_size + offset, torch.full_like(offset, pad_id))
+    req = np.arange(len(qsl) - 1).repeat(np.diff(qsl))
+    slots = KVSharding(world, interleave, block_size).slots(
+        req, positions[:num_tokens].to(torch.int64).cpu().numpy(), block_table.cpu().numpy(),
+        rank)
+    if pad_id != -1:
+        slots[slots < 0] = pad_id
+    return torch.from_numpy(slots)
 
 
 def make_slot_mapping_impl(original: Callable) -> Callable:
-    """Wrap vLLM's CPU impl: CP world 1 goes to ``original``, larger worlds to torch."""
+    """Wrap vLLM's CPU impl: CP world 1 goes to ``original``, larger worlds to
+    :func:`cp_slot_mapping`."""
 
     def impl(num_tokens, max_num_tokens, query_start_loc, positions, block_table,
              block_table_stride, slot_mapping, KV_CACHE_BLOCK_SIZE, TOTAL_CP_WORLD_SIZE=1,

@@ -1,0 +1,103 @@
+"""vLLM-Ascend's metadata names as a view of one rank's plan, computed on demand.
+
+The forward reads :class:`AttentionMetadata` and its :class:`PCPSplit`; code written against
+vLLM-Ascend's ``AscendMetadata`` / ``AscendPCPMetadata`` reads the same plan under the names
+below (no kernel here reads them). ``[2, P]`` seqlens are (query lens, key lens) per prefill;
+K/V indices point into the restored prefill rows; head and tail are a :class:`HeadTail`
+rank's two chunks.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from cp_attention.config import CPConfig
+from cp_attention.metadata.builder import AttentionMetadata
+from cp_attention.metadata.common import (AttentionState, StepSpec, classify_state, cumsum0,
+                                          ranges_concat)
+from cp_attention.metadata.kv_layout import KVSharding
+
+
+class VllmAscendView:
+    """vLLM-Ascend's names of ``meta``. ``step`` and ``config`` (what it was built from) are
+    read only by ``num_computed_tokens_of_pcp_dcp``; the PCP names need ``meta.pcp``."""
+
+    def __init__(self, meta: AttentionMetadata, step: StepSpec | None = None,
+                 config: CPConfig | None = None) -> None:
+        self.meta, self.step, self.config = meta, step, config
+        self.split = meta.pcp
+
+    @property
+    def attn_state(self) -> AttentionState:
+        meta = self.meta
+        return classify_state(meta.num_reqs, meta.num_decodes, meta.num_decode_tokens,
+                              meta.has_context)
+
+    @property
+    def batch_seq_mask(self) -> torch.Tensor:
+        """[R] bool, True where this rank holds no context of the request (context order)."""
+        return self.meta.ctx_seq_lens == 0
+
+    @property
+    def num_computed_tokens_of_pcp_dcp(self) -> np.ndarray:
+        """[R, pcp, dcp] cached tokens of each request (batch order) held by each rank."""
+        cfg = self.config
+        shard = [[cfg.kv_rank(p, d) for d in range(cfg.dcp_size)] for p in range(cfg.pcp_size)]
+        return KVSharding.of(cfg).local_count(self.step.computed[:, None, None],
+                                              np.array(shard)[None])
+
+    @property
+    def q_head_idx(self) -> torch.Tensor:  # [sum c] local prefill rows of head chunks
+        return self.split.chunks[0].q_idx
+
+    @property
+    def q_tail_idx(self) -> torch.Tensor:  # [sum c] local prefill rows of tail chunks
+        return self.split.chunks[1].q_idx
+
+    @property
+    def q_full_idx(self) -> torch.Tensor:  # [2 sum c] argsort(cat(q_head_idx, q_tail_idx))
+        return self.split.q_full_idx
+
+    @property
+    def kv_with_q_head_nomask_idx(self) -> torch.Tensor:  # [head sum c] rows before the chunk
+        return self.split.chunks[0].kv_nomask_idx
+
+    @property
+    def kv_with_q_tail_nomask_idx(self) -> torch.Tensor:  # [tail sum c] rows before the chunk
+        return self.split.chunks[1].kv_nomask_idx
+
+    @property
+    def kv_with_q_head_mask_idx(self) -> torch.Tensor:  # [sum c] the head chunk's own rows
+        return self._chunk_rows(self.split.chunks[0].index)
+
+    @property
+    def kv_with_q_tail_mask_idx(self) -> torch.Tensor:  # [sum c] the tail chunk's own rows
+        return self._chunk_rows(self.split.chunks[1].index)
+
+    @property
+    def attn_mask_seqlens(self) -> torch.Tensor:  # [2, P] of the causal diagonals
+        return torch.from_numpy(np.stack([self.split.chunk_lens] * 2))
+
+    @property
+    def head_attn_nomask_seqlens(self) -> torch.Tensor:  # [2, P] of the head's unmasked part
+        return torch.from_numpy(np.stack([self.split.chunk_lens, self.split.chunk_lens
+                                          * self.split.chunks[0].index]))
+
+    @property
+    def tail_attn_nomask_seqlens(self) -> torch.Tensor:  # [2, P] of the tail's unmasked part
+        return torch.from_numpy(np.stack([self.split.chunk_lens, self.split.chunk_lens
+                                          * self.split.chunks[1].index]))
+
+    @property
+    def pcp_allgather_restore_idx(self) -> torch.Tensor:  # [pcp 2 sum c] gathered -> restored
+        return self.split.pcp_allgather_restore_idx
+
+    @property
+    def pcp_prefill_mask(self) -> torch.Tensor:
+        """The constant 2048 x 2048 upper-triangular mask NPU kernels take for causal parts
+        (vLLM-Ascend later dropped it as redundant)."""
+        return torch.ones(2048, 2048, dtype=torch.bool).triu(1)
+
+    def _chunk_rows(self, chunk: int) -> torch.Tensor:
+        c = self.split.chunk_lens
+        return torch.from_numpy(ranges_concat(cumsum0(self.split.padded_lens)[:-1] + chunk * c, c))
