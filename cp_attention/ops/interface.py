@@ -53,11 +53,17 @@ class AttentionOps(Protocol):
         scale: float,
         causal: bool,
         window: int | None = None,
+        seqused_k: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of packed queries over packed keys, request by request.
 
         q: [Tq, Hq, D]; k, v: [Tk, Hkv, D] with Hq % Hkv == 0 (GQA/MQA);
         cu_seqlens_q / cu_seqlens_k: [R + 1] cumulative lengths (int64, on any device).
+        seqused_k: optional [R] integer used-key counts (vLLM / FlashAttention's name and
+        meaning): request i attends only the first ``seqused_k[i]`` keys of its range
+        ``[cu_seqlens_k[i], cu_seqlens_k[i + 1])`` (``0 <= seqused_k[i] <=`` the range), and
+        those are its ``n_k`` for the causal / window alignment. So a caller attends a prefix
+        of each request's keys without packing (copying) them; None uses whole ranges.
         Returns out [Tq, Hq, D] (accumulation dtype) and lse [Tq, Hq] (float32/float64).
         """
         ...
