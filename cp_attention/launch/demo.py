@@ -26,6 +26,7 @@ from cp_attention.backend import CPAttentionBackend
 from cp_attention.config import CPConfig
 from cp_attention.launch.device import (DEVICE_CHOICES, DeviceUnavailableError, choose_device,
                                         probe_device_counts, set_current_device)
+from cp_attention.ops.cpu_build import build_main
 from cp_attention.testing.pool import RankPool
 from cp_attention.testing.workload import (DTYPES, ORACLE_TOLERANCE, RankReport, Workload,
                                            allocate_blocks, run_workload)
@@ -81,7 +82,6 @@ def cores_available() -> int:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["build"]:  # `cp-attn build [--verbose]`; plain `cp-attn` runs the demo
-        from cp_attention.ops.cpu_build import build_main
         raise SystemExit(build_main(argv[1:]))
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
