@@ -21,6 +21,8 @@ from typing import Protocol
 
 import torch
 
+from cp_attention.errors import OpsInputError
+
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype attention outputs and LSEs are returned in: float64 for float64, else float32."""
@@ -32,6 +34,29 @@ def empty_result(q: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor, torch
     out = torch.zeros(q.shape, dtype=acc, device=q.device)
     lse = torch.full(q.shape[:2], float("-inf"), dtype=acc, device=q.device)
     return out, lse
+
+
+def used_key_lengths(bounds_k: list[int], used: list[int] | None) -> list[int]:
+    """Keys each request attends: its ``bounds_k`` range, or ``used`` (checked to fit)."""
+    ranges = [b - a for a, b in zip(bounds_k, bounds_k[1:])]
+    if used is None:
+        return ranges
+    for r, (u, n) in enumerate(zip(used, ranges)):
+        if not 0 <= u <= n:
+            raise OpsInputError(f"seqused_k[{r}] = {u} outside [0, {n}] (the request's "
+                                f"cu_seqlens_k range)")
+    return list(used)
+
+
+def used_key_rows(bounds_k: list[int], used: list[int],
+                  device: torch.device | str = "cpu") -> tuple[torch.Tensor, list[int]]:
+    """Rows of the first ``used[i]`` keys of each request's range, and their packed cumulative
+    bounds: ``k[rows]`` with those bounds is what ``seqused_k`` attends (a copy)."""
+    rows = [torch.arange(a, a + u, device=device) for a, u in zip(bounds_k, used)]
+    packed = [0]
+    for u in used:
+        packed.append(packed[-1] + u)
+    return (torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long, device=device)), packed
 
 
 class AttentionOps(Protocol):
