@@ -3,15 +3,16 @@
 ``cp-attn build`` (:func:`build_main`) compiles them ahead of time, so a server's first
 forward never compiles. Otherwise the first call compiles (the JIT fallback): every
 ``csrc/*.cpp`` into one extension with ``torch.utils.cpp_extension.load`` (:data:`BUILD_TIME`;
-ninja + a C++17 compiler), cached in torch's extension directory (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``)
-under a name that hashes the sources, the flags and the CPU's instruction set, so edited
-sources or another machine never load a stale binary. Processes starting at once share one
-build (cpp_extension's file lock; a lock older than :data:`STALE_LOCK_S`, left by a process
-killed while building, is removed with a warning instead of blocking every later start).
-``CP_ATTENTION_OPS=reference`` skips the build; a failed build returns ``None`` and callers
-use :class:`ReferenceOps`. Both fallbacks, and a compile in the first call, are logged as
-warnings on the ``cp_attention`` logger (what a server operator's log shows; a failed build
-also raises one ``RuntimeWarning``), naming the reason.
+ninja + a C++17 compiler), cached in torch's extension directory (``$TORCH_EXTENSIONS_DIR``,
+default ``~/.cache/torch_extensions``) under a name that hashes the sources, the flags and
+the CPU's instruction set, so edited sources or another machine never load a stale binary.
+Processes starting at once share one build (cpp_extension's file lock; a lock older than
+:data:`STALE_LOCK_S`, left by a process killed while building, is removed with a warning
+instead of blocking every later start).
+``CP_ATTENTION_OPS=reference`` skips the build (logged at INFO); a failed build returns
+``None`` and callers use :class:`ReferenceOps`. The failed build and a compile in the first
+call are logged as warnings on the ``cp_attention`` logger (what a server operator's log
+shows; the failed build also raises one ``RuntimeWarning``), naming the reason.
 """
 from __future__ import annotations
 
@@ -89,8 +90,8 @@ def _module_path(name: str) -> Path:
 def load_cpu_extension() -> ModuleType | None:
     """The compiled kernels module, or None (forced reference, or the build failed)."""
     if forced_reference():
-        log.warning("cp_attention: %s=reference: the C++ CPU kernels are off, the slower "
-                    "pure-torch ReferenceOps run", FORCE_ENV)
+        log.info("cp_attention: %s=reference: the C++ CPU kernels are off, the slower "
+                 "pure-torch ReferenceOps run", FORCE_ENV)
         return None
     sources, name = _sources()
     built = _load_built(name)
@@ -99,11 +100,8 @@ def load_cpu_extension() -> ModuleType | None:
     log.warning("cp_attention: compiling the C++ CPU attention kernels now (%s, once per "
                 "machine; `cp-attn build` does it ahead of time) into %s", BUILD_TIME,
                 _module_path(name).parent)
-    clear_stale_lock(name)
     try:
-        return load(name=name, sources=[str(p) for p in sources],
-                    extra_include_paths=[str(CSRC_DIR)], extra_cflags=_CFLAGS,
-                    extra_ldflags=_LDFLAGS, verbose=False)
+        return _compile(name, sources)
     except Exception as exc:  # no compiler, no ninja, a compile error: fall back, loudly once
         message = (f"cp_attention: building the C++ CPU attention kernels failed "
                    f"({_first_error(exc)}); using the slower pure-torch ReferenceOps. "
@@ -112,6 +110,15 @@ def load_cpu_extension() -> ModuleType | None:
         log.warning("%s", message)
         warnings.warn(message, RuntimeWarning, stacklevel=2)
         return None
+
+
+def _compile(name: str, sources: list[Path], verbose: bool = False) -> ModuleType:
+    """Build (or rebuild) extension ``name`` through cpp_extension, after clearing a stale
+    lock; raises what the build raises."""
+    clear_stale_lock(name)
+    return load(name=name, sources=[str(p) for p in sources],
+                extra_include_paths=[str(CSRC_DIR)], extra_cflags=_CFLAGS,
+                extra_ldflags=_LDFLAGS, verbose=verbose)
 
 
 def _load_built(name: str) -> ModuleType | None:
@@ -176,14 +183,11 @@ def build_main(argv: list[str] | None = None) -> int:
               f"{time.perf_counter() - start:.2f} s)")
         return 0
     print(f"cp-attn build: compiling {len(sources)} sources ({BUILD_TIME}) ...", flush=True)
-    clear_stale_lock(name)
     try:
-        load(name=name, sources=[str(p) for p in sources], extra_include_paths=[str(CSRC_DIR)],
-             extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS, verbose=args.verbose)
+        _compile(name, sources, args.verbose)
     except Exception as exc:
         print(f"cp-attn build: FAILED after {time.perf_counter() - start:.1f} s: "
               f"{_first_error(exc)}\n{exc}", file=sys.stderr)
         return 1
     print(f"cp-attn build: built in {time.perf_counter() - start:.1f} s: {path}")
-    load_cpu_extension.cache_clear()
     return 0
