@@ -187,3 +187,57 @@ def test_rejects_bad_arguments(kernel, bad):
     with pytest.raises(RuntimeError):
         load_cpu_extension().varlen_attention(args["q"], args["k"], args["v"], args["cu_q"], args["cu_k"],
                                 0.125, args["causal"], args["window"])
+
+
+def _used_prefixes(k, v, lens_k, used):
+    """The first used[i] keys of each request's range, packed: what seqused_k attends."""
+    starts = [sum(lens_k[:i]) for i in range(len(lens_k))]
+    rows = torch.cat([torch.arange(s, s + u) for s, u in zip(starts, used)] +
+                     [torch.zeros(0, dtype=torch.long)])
+    return k[rows], v[rows]
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(lens=st.lists(st.tuples(st.integers(0, 130), st.integers(0, 230), st.floats(0, 1)),
+                     min_size=1, max_size=4),
+       used_kind=st.sampled_from(["fraction", "full", "zero"]),
+       head_size=st.sampled_from([64, 80, 128]), group=st.sampled_from([1, 4]),
+       num_kv_heads=st.sampled_from([1, 2]), causal=st.booleans(),
+       window=st.sampled_from([None, 1, 5, 150]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       threads=st.sampled_from([1, 2]), layout=st.sampled_from(["contiguous", "strided"]),
+       cu_dtype=st.sampled_from([torch.int32, torch.int64]))
+def test_seqused_k_matches_float64_oracle(kernel, lens, used_kind, head_size, group,
+                                          num_kv_heads, causal, window, dtype, threads, layout,
+                                          cu_dtype):
+    """seqused_k < range, == range and 0: request i attends the first seqused_k[i] keys of its
+    range, causal / window aligned to that count; the same as packing those prefixes."""
+    window = window if causal else None
+    lens_q, lens_k = [a for a, _, _ in lens], [b for _, b, _ in lens]
+    used = {"full": lens_k, "zero": [0] * len(lens),
+            "fraction": [int(b * f) for _, b, f in lens]}[used_kind]
+    seed = sum(lens_q) * 1013 + sum(used) * 5 + head_size + group
+    q, k, v, cu_q, cu_k = _make(lens_q, lens_k, num_kv_heads * group, num_kv_heads, head_size,
+                                dtype, seed, layout)
+    scale = head_size ** -0.5
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, lse = kernel.varlen_attention(q, k, v, cu_q.to(cu_dtype), cu_k.to(cu_dtype),
+                                           scale=scale, causal=causal, window=window,
+                                           seqused_k=torch.tensor(used, dtype=cu_dtype))
+    finally:
+        torch.set_num_threads(previous)
+    k_used, v_used = _used_prefixes(k, v, lens_k, used)
+    _assert_close(out, lse, *_oracle(q, k_used, v_used, lens_q, used, scale, causal, window))
+    ref = REF.varlen_attention(q.double(), k.double(), v.double(), cu_q, cu_k, scale=scale,
+                               causal=causal, window=window, seqused_k=torch.tensor(used))
+    _assert_close(out, lse, *ref)
+
+
+@pytest.mark.parametrize("used", [[-1, 2], [5, 2], [1]])
+def test_seqused_k_out_of_range_is_rejected(kernel, used):
+    q, k, v, cu_q, cu_k = _make([2, 2], [4, 3], 4, 2, 64, torch.float32, 0)
+    with pytest.raises(RuntimeError, match="seqused_k"):
+        load_cpu_extension().varlen_attention(q, k, v, cu_q, cu_k, 0.125, True, 0,
+                                              torch.tensor(used))

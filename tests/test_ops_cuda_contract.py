@@ -13,23 +13,28 @@ from hypothesis import strategies as st
 
 from cp_attention.ops import cuda_args, paged_plan
 from cp_attention.ops.cuda import CudaOps
+from cp_attention.ops.interface import used_key_lengths, used_key_rows
 from cp_attention.ops.reference import ReferenceOps
 
 HYP = settings(max_examples=20, deadline=None, derandomize=True, database=None,
                suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-def make_flash_attn(strict: bool = True) -> types.ModuleType:
+def make_flash_attn(strict: bool = True, seqused_k: bool = True) -> types.ModuleType:
     """Fake flash_attn: ``flash_attn_varlen_func`` with flash-attn 2 semantics (bottom-right
-    causal, window_size, LSE [H, total_q], +inf LSE / zero output for rows with no key)."""
+    causal, window_size, LSE [H, total_q], +inf LSE / zero output for rows with no key) and,
+    with ``seqused_k``, vllm_flash_attn's ``seqused_k`` keyword (request i uses the first
+    seqused_k[i] keys of its range; flash-attn 2's Python wrapper has no such keyword)."""
     mod = types.ModuleType("flash_attn")
     mod.calls = []
 
     def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                dropout_p=0.0, softmax_scale=None, causal=False,
                                window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                               deterministic=False, return_attn_probs=False, block_table=None):
+                               deterministic=False, return_attn_probs=False, block_table=None,
+                               seqused_k=None):
         assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_k.dtype == torch.int32
+        assert seqused_k is None or (seqused_k.dtype == torch.int32 and seqused_k.dim() == 1)
         assert isinstance(max_seqlen_q, int) and isinstance(max_seqlen_k, int)
         assert dropout_p == 0.0 and block_table is None
         if strict:
@@ -38,6 +43,7 @@ def make_flash_attn(strict: bool = True) -> types.ModuleType:
         assert max_seqlen_q == max(b - a for a, b in zip(bq, bq[1:]))
         assert max_seqlen_k == max(b - a for a, b in zip(bk, bk[1:]))
         mod.calls.append(dict(causal=causal, window_size=tuple(window_size)))
+        mod.seqused_k_given = seqused_k is not None
         t, h, d = q.shape
         scale = softmax_scale if softmax_scale is not None else d ** -0.5
         group = h // k.shape[1]
@@ -46,6 +52,9 @@ def make_flash_attn(strict: bool = True) -> types.ModuleType:
         left, right = window_size
         for r in range(len(bq) - 1):
             nq, nk = bq[r + 1] - bq[r], bk[r + 1] - bk[r]
+            if seqused_k is not None:
+                assert 0 <= int(seqused_k[r]) <= nk
+                nk = int(seqused_k[r])
             if nq == 0 or nk == 0:
                 continue
             pos = (torch.arange(nq) + nk - nq)[:, None]
@@ -57,8 +66,8 @@ def make_flash_attn(strict: bool = True) -> types.ModuleType:
                 vis &= key >= pos - left
             if right >= 0:
                 vis &= key <= pos + right
-            kk = k[bk[r]:bk[r + 1]].double().repeat_interleave(group, 1)
-            vv = v[bk[r]:bk[r + 1]].double().repeat_interleave(group, 1)
+            kk = k[bk[r]:bk[r] + nk].double().repeat_interleave(group, 1)
+            vv = v[bk[r]:bk[r] + nk].double().repeat_interleave(group, 1)
             s = torch.einsum("qhd,khd->hqk", q[bq[r]:bq[r + 1]].double(), kk) * scale
             s = s.masked_fill(~vis[None], float("-inf"))
             l = torch.logsumexp(s, -1)
@@ -69,19 +78,34 @@ def make_flash_attn(strict: bool = True) -> types.ModuleType:
         l32 = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
         return (o, l32, None) if return_attn_probs else o
 
-    mod.flash_attn_varlen_func = flash_attn_varlen_func
+    if not seqused_k:  # flash-attn 2's signature
+        def flash2_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               dropout_p=0.0, softmax_scale=None, causal=False,
+                               window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                               deterministic=False, return_attn_probs=False, block_table=None):
+            return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                          max_seqlen_k, dropout_p, softmax_scale, causal,
+                                          window_size, softcap, alibi_slopes, deterministic,
+                                          return_attn_probs, block_table)
+        mod.flash_attn_varlen_func = flash2_varlen_func
+    else:
+        mod.flash_attn_varlen_func = flash_attn_varlen_func
     return mod
 
 
 @pytest.fixture(params=["flash-emulated", "explicit"])
 def cuda_ops(request, monkeypatch):
     """CudaOps over the fake flash_attn (float64 allowed) or over the explicit fallback."""
-    if request.param == "explicit":
+    return _cuda_ops(request.param, monkeypatch)
+
+
+def _cuda_ops(kind, monkeypatch):
+    if kind == "explicit":
         monkeypatch.setitem(sys.modules, "flash_attn", None)
         ops = CudaOps()
         assert ops._flash is None
         return ops, None
-    fake = make_flash_attn(strict=False)
+    fake = make_flash_attn(strict=False, seqused_k=kind == "flash-emulated")
     monkeypatch.setitem(sys.modules, "flash_attn", fake)
     ops = CudaOps()
     monkeypatch.setattr(cuda_args, "FLASH_DTYPES", (torch.float16, torch.bfloat16, torch.float64))
@@ -225,3 +249,39 @@ def test_reshape_and_cache_and_merge(cuda_ops):
     oa, ob = torch.randn(2, 2, 2, 3, generator=gen)
     _check(*ops.merge_attn_states(oa, lse_a, ob, lse_b),
            *ReferenceOps().merge_attn_states(oa, lse_a, ob, lse_b))
+
+
+@pytest.mark.parametrize("kind", ["flash-emulated", "flash2-emulated", "explicit"])
+@settings(max_examples=20, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), hq_hkv=heads, mode=st.sampled_from(["none", "causal", "window"]))
+def test_varlen_seqused_k_matches_reference(monkeypatch, kind, data, hq_hkv, mode):
+    """seqused_k (< range, == range, 0) through flash-attn with the keyword (vllm_flash_attn),
+    without it (flash-attn 2: prefixes packed) and the explicit math: as ReferenceOps."""
+    ops, fake = _cuda_ops(kind, monkeypatch)
+    r = data.draw(st.integers(1, 4))
+    q_lens = data.draw(st.lists(st.integers(0, 9), min_size=r, max_size=r))
+    k_lens = data.draw(st.lists(st.integers(0, 12), min_size=r, max_size=r))
+    used = [data.draw(st.sampled_from([0, n // 2, n])) for n in k_lens]
+    window = data.draw(st.integers(1, 6)) if mode == "window" else None
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    hq, hkv = hq_hkv
+    q = torch.randn(sum(q_lens), hq, 16, generator=gen, dtype=torch.float64)
+    k = torch.randn(sum(k_lens), hkv, 16, generator=gen, dtype=torch.float64)
+    v = torch.randn(sum(k_lens), hkv, 16, generator=gen, dtype=torch.float64)
+    kw = dict(scale=0.25, causal=mode != "none", window=window, seqused_k=torch.tensor(used))
+    _check(*ops.varlen_attention(q, k, v, _cu(q_lens), _cu(k_lens), **kw),
+           *ReferenceOps().varlen_attention(q, k, v, _cu(q_lens), _cu(k_lens), **kw))
+    if fake is not None and fake.calls:
+        assert fake.seqused_k_given == (kind == "flash-emulated")
+
+
+def test_used_prefix_helpers_exact():
+    assert used_key_lengths([0, 4, 4, 9], None) == [4, 0, 5]
+    assert used_key_lengths([0, 4, 4, 9], [2, 0, 5]) == [2, 0, 5]
+    with pytest.raises(ValueError, match="seqused_k"):
+        used_key_lengths([0, 4, 9], [5, 1])
+    rows, bounds = used_key_rows([0, 4, 4, 9], [2, 0, 3])
+    assert rows.tolist() == [0, 1, 4, 5, 6] and bounds == [0, 2, 2, 5]
+    assert cuda_args.takes_seqused_k(make_flash_attn().flash_attn_varlen_func)
+    assert not cuda_args.takes_seqused_k(make_flash_attn(seqused_k=False).flash_attn_varlen_func)

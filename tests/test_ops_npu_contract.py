@@ -213,6 +213,30 @@ def test_varlen_matches_reference(backend, data, hq_hkv, mode):
         _assert_matches(out, lse, *ref, dtype)
 
 
+@HYP
+@given(data=st.data(), hq_hkv=heads, mode=st.sampled_from(["none", "causal", "window"]))
+def test_varlen_seqused_k_matches_reference(backend, data, hq_hkv, mode):
+    """seqused_k (< range, == range, 0) as actual_seq_lengths_kv of packed prefixes."""
+    r = data.draw(st.integers(1, 4))
+    q_lens = data.draw(st.lists(st.integers(0, 9), min_size=r, max_size=r))
+    k_lens = data.draw(st.lists(st.integers(0, 12), min_size=r, max_size=r))
+    used = torch.tensor([data.draw(st.sampled_from([0, n // 2, n])) for n in k_lens])
+    window = data.draw(st.integers(1, 6)) if mode == "window" else None
+    seed = data.draw(st.integers(0, 2**16))
+    hq, hkv = hq_hkv
+    for dtype in backend.dtypes:
+        gen = torch.Generator().manual_seed(seed)
+        d = backend.head_dim
+        q = _rand(gen, (sum(q_lens), hq, d), dtype, backend.device)
+        k = _rand(gen, (sum(k_lens), hkv, d), dtype, backend.device)
+        v = _rand(gen, (sum(k_lens), hkv, d), dtype, backend.device)
+        kw = dict(scale=d ** -0.5, causal=mode != "none", window=window, seqused_k=used)
+        out, lse = backend.ops.varlen_attention(q, k, v, _cu(q_lens), _cu(k_lens), **kw)
+        ref = ReferenceOps().varlen_attention(q.cpu(), k.cpu(), v.cpu(), _cu(q_lens),
+                                              _cu(k_lens), **kw)
+        _assert_matches(out, lse, *ref, dtype)
+
+
 def _ranges(data, q_lens, seq_lens, style, block_size):
     lo, hi = [], []
     for nq, n in zip(q_lens, seq_lens):

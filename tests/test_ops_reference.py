@@ -155,3 +155,50 @@ def test_reshape_and_cache_into_strided_view():
     untouched[1, :, 1] = 0  # slot 5: key and value halves
     untouched[2, :, 3] = 0  # slot 11
     assert (untouched == 0).all()  # nothing else written
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(lens=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 60), st.floats(0, 1)),
+                     min_size=1, max_size=5),
+       used_kind=st.sampled_from(["fraction", "full", "zero"]), group=st.sampled_from([1, 4]),
+       causal=st.booleans(), window=st.sampled_from([None, 1, 5, 33]),
+       dtype=st.sampled_from([torch.float32, torch.float64]))
+def test_varlen_seqused_k_matches_dense(lens, used_kind, group, causal, window, dtype):
+    """seqused_k (< range, == range, 0): request i attends the first seqused_k[i] keys of its
+    range, with n_k = seqused_k[i] for the causal / window alignment."""
+    window = window if causal else None
+    lens_q, lens_k = [a for a, _, _ in lens], [b for _, b, _ in lens]
+    used = {"full": lens_k, "zero": [0] * len(lens),
+            "fraction": [int(b * f) for _, b, f in lens]}[used_kind]
+    gen = torch.Generator().manual_seed(sum(lens_q) * 7 + sum(used))
+    hkv, d = 2, 16
+    q = torch.randn(sum(lens_q), hkv * group, d, generator=gen).to(dtype)
+    k = torch.randn(sum(lens_k), hkv, d, generator=gen).to(dtype)
+    v = torch.randn(sum(lens_k), hkv, d, generator=gen).to(dtype)
+    cu_q = torch.tensor([0] + lens_q).cumsum(0)
+    cu_k = torch.tensor([0] + lens_k).cumsum(0)
+    out, lse = OPS.varlen_attention(q, k, v, cu_q, cu_k, scale=0.25, causal=causal,
+                                    window=window, seqused_k=torch.tensor(used))
+    rows = torch.cat([torch.arange(s, s + u) for s, u in zip(cu_k.tolist(), used)] +
+                     [torch.zeros(0, dtype=torch.long)])
+    ref_out, ref_lse = _dense_varlen(q, k[rows], v[rows], lens_q, used, 0.25, causal, window)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    if len(out):
+        assert (out.double() - ref_out).abs().max().item() <= TOL[dtype]
+    empty = torch.isneginf(ref_lse)
+    assert torch.equal(torch.isneginf(lse), empty)
+    assert (out[empty] == 0).all()
+    if (~empty).any():
+        assert (lse.double()[~empty] - ref_lse[~empty]).abs().max().item() <= TOL[dtype] * 10
+
+
+def test_varlen_seqused_k_out_of_range_is_rejected():
+    q, k = torch.randn(4, 2, 8), torch.randn(7, 2, 8)
+    cu_q, cu_k = torch.tensor([0, 2, 4]), torch.tensor([0, 4, 7])
+    for used in ([5, 1], [-1, 1]):
+        with pytest.raises(ValueError, match="seqused_k"):
+            OPS.varlen_attention(q, k, k, cu_q, cu_k, scale=0.3, causal=True,
+                                 seqused_k=torch.tensor(used))
+    with pytest.raises(ValueError, match="seqused_k"):  # one count per request
+        OPS.varlen_attention(q, k, k, cu_q, cu_k, scale=0.3, causal=True,
+                             seqused_k=torch.tensor([1]))

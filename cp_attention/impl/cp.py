@@ -3,6 +3,8 @@
 On top of the single-device plan it adds the data movement:
   * PCP: the step's prefill K/V rows are all-gathered over the PCP group and restored; each
     rank attends its head and tail chunks (unmasked part + causal diagonal, merged by LSE).
+    The unmasked part of chunk k attends the first ``k c`` restored keys of each prefill in
+    place (``varlen_attention``'s ``seqused_k``), not a gathered copy.
   * cached context (any CP): the query rows are gathered (tokens over PCP when the cache is
     sharded over PCP ranks, heads over DCP), attend this rank's KV shard, and the partials are
     combined exactly over DCP, either all-gather LSE + reduce-scatter of rescaled outputs
@@ -79,8 +81,11 @@ class CPAttentionImpl(BaseAttentionImpl):
         tail_q, tail_diag = self._chunk_diagonal(q_pre, k_loc, v_loc, tail, cu_q)
         step_k, step_v = self._wait_step_kv(step_kv)
         k_pre, v_pre = step_k[nd:], step_v[nd:]
-        head_out, head_lse = self._chunk_attention(head_q, k_pre, v_pre, head, cu_q, head_diag)
-        tail_out, tail_lse = self._chunk_attention(tail_q, k_pre, v_pre, tail, cu_q, tail_diag)
+        restored_cu = cu_q * (2 * split.pcp_size)  # each prefill's 2 pcp c restored rows
+        head_out, head_lse = self._chunk_attention(head_q, k_pre, v_pre, head, cu_q, head_diag,
+                                                   restored_cu)
+        tail_out, tail_lse = self._chunk_attention(tail_q, k_pre, v_pre, tail, cu_q, tail_diag,
+                                                   restored_cu)
         local_order = split.q_full_idx.to(q.device)  # [head rows | tail rows] -> local rows
         return (torch.cat([head_out, tail_out])[local_order],
                 torch.cat([head_lse, tail_lse])[local_order])
@@ -95,20 +100,20 @@ class CPAttentionImpl(BaseAttentionImpl):
         return q_part, self.ops.varlen_attention(q_part, k_loc[rows], v_loc[rows], cu_q, cu_q,
                                                  scale=self.scale, causal=True)
 
-    def _chunk_attention(self, q_part, k_pre, v_pre, chunk, cu_q, diagonal):
+    def _chunk_attention(self, q_part, k_pre, v_pre, chunk, cu_q, diagonal, restored_cu):
         """Attention of one chunk's queries ``q_part`` (a :class:`ChunkPlan`'s rows) over the
-        restored prefill K/V: the keys before it merged with its ``diagonal``, or with a
-        sliding window one bottom-right causal call over both."""
-        device = q_part.device
+        restored prefill K/V (``restored_cu``: each prefill's rows): the keys before it merged
+        with its ``diagonal``, or with a sliding window one bottom-right causal call over both.
+        Both read a prefix of each prefill's restored rows in place (``seqused_k``: ``k c``
+        keys before chunk k, ``(k + 1) c`` up to its end), no gathered copy."""
         if self.sliding_window is not None:
-            kv_idx = chunk.kv_idx.to(device)
-            return self.ops.varlen_attention(q_part, k_pre[kv_idx], v_pre[kv_idx], cu_q,
-                                             chunk.cu_seqlens_k, scale=self.scale, causal=True,
-                                             window=self.sliding_window)
-        nomask_idx = chunk.kv_nomask_idx.to(device)
-        before = self.ops.varlen_attention(q_part, k_pre[nomask_idx], v_pre[nomask_idx], cu_q,
-                                           chunk.nomask_cu_seqlens_k, scale=self.scale,
-                                           causal=False)
+            return self.ops.varlen_attention(q_part, k_pre, v_pre, cu_q, restored_cu,
+                                             scale=self.scale, causal=True,
+                                             window=self.sliding_window,
+                                             seqused_k=chunk.cu_seqlens_k.diff())
+        before = self.ops.varlen_attention(q_part, k_pre, v_pre, cu_q, restored_cu,
+                                           scale=self.scale, causal=False,
+                                           seqused_k=chunk.nomask_cu_seqlens_k.diff())
         return self.ops.merge_attn_states(*before, *diagonal)
 
     # -- cached context ------------------------------------------------------------------

@@ -1,4 +1,6 @@
 """``cp-attn``: the CP demo on local processes, one per rank, checked against float64.
+``cp-attn build``: compile the C++ CPU kernels ahead of time (see
+:func:`cp_attention.ops.cpu_build.build_main`), so no process compiles them in its first call.
 
 Runs a multi-step workload (long prompts, a prompt continued over cached context, chunked
 prefill, decodes) on pcp x tp local ranks and prints, per rank, tokens computed, KV bytes held,
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from dataclasses import replace
 
@@ -23,6 +26,7 @@ from cp_attention.backend import CPAttentionBackend
 from cp_attention.config import CPConfig
 from cp_attention.launch.device import (DEVICE_CHOICES, DeviceUnavailableError, choose_device,
                                         probe_device_counts, set_current_device)
+from cp_attention.ops.cpu_build import build_main
 from cp_attention.testing.pool import RankPool
 from cp_attention.testing.workload import (DTYPES, ORACLE_TOLERANCE, RankReport, Workload,
                                            allocate_blocks, run_workload)
@@ -76,8 +80,13 @@ def cores_available() -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["build"]:  # `cp-attn build [--verbose]`; plain `cp-attn` runs the demo
+        raise SystemExit(build_main(argv[1:]))
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="subcommand: `cp-attn build [--verbose]` compiles the C++ CPU kernels now "
+               "and prints where they are and how long it took")
     parser.add_argument("--pcp", type=int, default=2)
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--dcp", type=int, default=2)

@@ -78,14 +78,20 @@ def _check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_name: str)
 
 def check_varlen_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
-                      window: int | None = None, causal: bool = True) -> None:
-    """O(1) checks of ``AttentionOps.varlen_attention``: q [Tq, Hq, D], k/v [Tk, Hkv, D]."""
+                      window: int | None = None, causal: bool = True,
+                      seqused_k: torch.Tensor | None = None) -> None:
+    """O(1) checks of ``AttentionOps.varlen_attention``: q [Tq, Hq, D], k/v [Tk, Hkv, D],
+    seqused_k None or [R] integer."""
     _check_heads(q, k, v, "k")
     _check_offsets(cu_seqlens_q, "cu_seqlens_q")
     _check_offsets(cu_seqlens_k, "cu_seqlens_k")
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
         raise OpsInputError(f"cu_seqlens_q has {cu_seqlens_q.numel() - 1} requests but "
                             f"cu_seqlens_k has {cu_seqlens_k.numel() - 1}")
+    if seqused_k is not None and (seqused_k.dim() != 1 or seqused_k.dtype.is_floating_point
+                                  or seqused_k.numel() != cu_seqlens_k.numel() - 1):
+        raise OpsInputError(f"seqused_k must be a 1-D integer tensor of {cu_seqlens_k.numel() - 1}"
+                            f" requests, got {seqused_k.dtype} shape {tuple(seqused_k.shape)}")
     if window is not None:
         if not is_int(window) or window < 1:
             raise OpsInputError(f"window must be an integer >= 1 or None, got {window!r}")
@@ -95,11 +101,21 @@ def check_varlen_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def validate_varlen_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
-                           window: int | None = None) -> None:
-    """All checks of ``varlen_attention`` (O(requests)): the O(1) ones and both offsets."""
-    check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, window)
+                           window: int | None = None,
+                           seqused_k: torch.Tensor | None = None) -> None:
+    """All checks of ``varlen_attention`` (O(requests)): the O(1) ones, both offsets and
+    ``0 <= seqused_k[i] <= cu_seqlens_k[i + 1] - cu_seqlens_k[i]``."""
+    check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, window, seqused_k=seqused_k)
     validate_cu_seqlens(cu_seqlens_q, q.shape[0], "cu_seqlens_q")
     validate_cu_seqlens(cu_seqlens_k, k.shape[0], "cu_seqlens_k")
+    if seqused_k is not None:
+        used = seqused_k.detach().cpu().long()
+        ranges = cu_seqlens_k.detach().cpu().long().diff()
+        bad = torch.nonzero((used < 0) | (used > ranges))
+        if bad.numel():
+            i = int(bad[0])
+            raise OpsInputError(f"seqused_k[{i}] = {int(used[i])} outside [0, {int(ranges[i])}]"
+                                f" (the request's cu_seqlens_k range)")
 
 
 def check_paged_args(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -31,14 +31,15 @@ class CpuOps(AttentionOps):
         self._varlen = getattr(extension, "varlen_attention", None)
 
     def varlen_attention(self, q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal,
-                         window=None):
+                         window=None, seqused_k=None):
         if self._varlen is None or q.dtype not in _KERNEL_DTYPES or q.device.type != "cpu":
             return self._reference.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k,
-                                                    scale=scale, causal=causal, window=window)
+                                                    scale=scale, causal=causal, window=window,
+                                                    seqused_k=seqused_k)
         if window is not None and not causal:
             raise ValueError("a sliding window requires causal attention")
         return self._varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, float(scale), bool(causal),
-                            0 if window is None else int(window))
+                            0 if window is None else int(window), seqused_k)
 
     def paged_attention(self, q, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens,
                         *, scale, kv_start=None, kv_end=None):

@@ -1,8 +1,10 @@
 """CUDA implementation of :class:`~cp_attention.ops.interface.AttentionOps`.
 
 * ``varlen_attention``: ``flash_attn.flash_attn_varlen_func(..., return_attn_probs=True)``
-  for float16/bfloat16 when flash-attn imports; otherwise explicit matmul-softmax math per
-  request (any device, any float dtype: also what runs on CPU in the tests);
+  for float16/bfloat16 when flash-attn imports (``seqused_k`` passed through where the
+  function takes it, else the used key prefixes are packed); otherwise explicit
+  matmul-softmax math per request (any device, any float dtype: also what runs on CPU in the
+  tests);
 * ``paged_attention``: the request/row plan of :func:`cp_attention.ops.paged_plan.plan_paged`,
   keys gathered from the cache into packed varlen K/V, then the varlen path (flash-attn's own
   paged mode needs page sizes that are multiples of 256, so it is not used);
@@ -18,7 +20,8 @@ import torch
 
 from cp_attention.ops import cuda_args
 from cp_attention.ops.checks import check_paged_args, check_varlen_args
-from cp_attention.ops.interface import AttentionOps, accumulation_dtype, empty_result
+from cp_attention.ops.interface import (AttentionOps, accumulation_dtype, empty_result,
+                                        used_key_lengths, used_key_rows)
 from cp_attention.ops.merge import merge_attn_states
 from cp_attention.ops.paged_plan import plan_paged
 from cp_attention.ops.reference import ReferenceOps
@@ -58,35 +61,47 @@ class CudaOps(AttentionOps):
 
     def __init__(self, use_flash: bool | None = None) -> None:
         self._flash = load_flash_attn() if use_flash is not False else None
+        self._flash_seqused_k = self._flash is not None and cuda_args.takes_seqused_k(
+            self._flash.flash_attn_varlen_func)
         self._reference = ReferenceOps()
 
     def _flash_ok(self, dtype: torch.dtype) -> bool:
         return self._flash is not None and dtype in cuda_args.FLASH_DTYPES
 
     def _varlen(self, q, k, v, bounds_q: list[int], bounds_k: list[int], scale: float,
-                causal: bool, window: int | None):
-        """Packed varlen attention -> (out acc dtype, lse [T, H] acc dtype)."""
+                causal: bool, window: int | None, used: list[int] | None = None):
+        """Packed varlen attention -> (out acc dtype, lse [T, H] acc dtype); request i attends
+        the first ``used[i]`` keys of its ``bounds_k`` range (all of them when None)."""
         acc = accumulation_dtype(q.dtype)
         out, lse = empty_result(q, acc)
-        if q.shape[0] == 0 or k.shape[0] == 0:
+        n_k = used_key_lengths(bounds_k, used)
+        if q.shape[0] == 0 or sum(n_k) == 0:
             return out, lse
         if self._flash_ok(q.dtype):
+            extra = {}
+            if used is not None and self._flash_seqused_k:
+                extra["seqused_k"] = cuda_args.int32_cu_seqlens(torch.tensor(used), q.device)
+            elif used is not None:  # flash-attn 2's wrapper: pack the used prefixes
+                rows, bounds_k = used_key_rows(bounds_k, used, k.device)
+                k, v = k.index_select(0, rows), v.index_select(0, rows)
             res = self._flash.flash_attn_varlen_func(
                 q.contiguous(), k.contiguous(), v.contiguous(),
                 cuda_args.int32_cu_seqlens(torch.tensor(bounds_q), q.device),
                 cuda_args.int32_cu_seqlens(torch.tensor(bounds_k), q.device),
                 cuda_args.max_seqlen(bounds_q), cuda_args.max_seqlen(bounds_k), dropout_p=0.0,
                 softmax_scale=float(scale), causal=causal,
-                window_size=cuda_args.window_size(causal, window), return_attn_probs=True)
+                window_size=cuda_args.window_size(causal, window), return_attn_probs=True,
+                **extra)
             o, l = res[0], cuda_args.lse_to_th(res[1], q.shape[0], q.shape[1])
             visible = torch.cat([
-                cuda_args.dense_visibility(b - a, d - c, causal, window, q.device).any(1)
-                for a, b, c, d in zip(bounds_q, bounds_q[1:], bounds_k, bounds_k[1:])])
+                cuda_args.dense_visibility(b - a, nk, causal, window, q.device).any(1)
+                for a, b, nk in zip(bounds_q, bounds_q[1:], n_k)])
             out = torch.where(visible[:, None, None], o.to(acc), out)
             lse = torch.where(visible[:, None], l.to(acc), lse)
             return out, lse
         for r in range(len(bounds_q) - 1):
-            qs, qe, ks, ke = bounds_q[r], bounds_q[r + 1], bounds_k[r], bounds_k[r + 1]
+            qs, qe, ks = bounds_q[r], bounds_q[r + 1], bounds_k[r]
+            ke = ks + n_k[r]
             if qe > qs and ke > ks:
                 vis = cuda_args.dense_visibility(qe - qs, ke - ks, causal, window, q.device)
                 out[qs:qe], lse[qs:qe] = explicit_attention(q[qs:qe], k[ks:ke], v[ks:ke],
@@ -94,11 +109,12 @@ class CudaOps(AttentionOps):
         return out, lse
 
     def varlen_attention(self, q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal,
-                         window=None):
+                         window=None, seqused_k=None):
         """q [Tq, Hq, D], k/v [Tk, Hkv, D] -> (out [Tq, Hq, D], lse [Tq, Hq])."""
-        check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, window, causal)
+        check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, window, causal, seqused_k)
         return self._varlen(q, k, v, [int(x) for x in cu_seqlens_q.tolist()],
-                            [int(x) for x in cu_seqlens_k.tolist()], scale, causal, window)
+                            [int(x) for x in cu_seqlens_k.tolist()], scale, causal, window,
+                            None if seqused_k is None else [int(x) for x in seqused_k.tolist()])
 
     def paged_attention(self, q, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens,
                         *, scale, kv_start=None, kv_end=None):

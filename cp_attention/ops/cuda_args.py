@@ -4,11 +4,19 @@ flash-attn 2 conventions (``flash_attn/flash_attn_interface.py``, ``flash_attn_v
 ``cu_seqlens_q/k`` int32 [B + 1] on the device, python-int ``max_seqlen_q/k``, ``causal`` is
 bottom-right aligned, ``window_size=(left, right)`` shows keys ``pos - left <= k <= pos +
 right`` (-1 = unbounded), and with ``return_attn_probs=True`` the varlen LSE is ``[H, total_q]``
-float32 (``+inf`` for rows that see no key, which callers turn into ``-inf``).
+float32 (``+inf`` for rows that see no key, which callers turn into ``-inf``). ``seqused_k``
+(int32 [B], request i uses the first ``seqused_k[i]`` keys of its ``cu_seqlens_k`` range) is a
+keyword of the varlen function in vLLM's ``vllm_flash_attn`` and flash-attn 3 and an argument
+of flash-attn 2's C++ ``varlen_fwd``, but flash-attn 2's Python ``flash_attn_varlen_func``
+does not take it: there the used prefixes are packed
+(:func:`cp_attention.ops.interface.used_key_rows`).
 """
 from __future__ import annotations
 
 import torch
+
+import inspect
+from typing import Callable
 
 from cp_attention.mathutils import ceil_div
 from cp_attention.ops.paged_plan import KernelCall
@@ -79,3 +87,13 @@ def paged_gather(block_table: torch.Tensor, call: KernelCall,
     slots = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long,
                                                         device=block_table.device)
     return slots, bounds
+
+
+def takes_seqused_k(varlen_func: Callable) -> bool:
+    """Whether a flash-attn varlen function has a ``seqused_k`` parameter (vllm_flash_attn,
+    flash-attn 3) or not (flash-attn 2's Python wrapper)."""
+    try:
+        return "seqused_k" in inspect.signature(varlen_func).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+

@@ -21,6 +21,8 @@ from typing import Protocol
 
 import torch
 
+from cp_attention.errors import OpsInputError
+
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype attention outputs and LSEs are returned in: float64 for float64, else float32."""
@@ -32,6 +34,29 @@ def empty_result(q: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor, torch
     out = torch.zeros(q.shape, dtype=acc, device=q.device)
     lse = torch.full(q.shape[:2], float("-inf"), dtype=acc, device=q.device)
     return out, lse
+
+
+def used_key_lengths(bounds_k: list[int], used: list[int] | None) -> list[int]:
+    """Keys each request attends: its ``bounds_k`` range, or ``used`` (checked to fit)."""
+    ranges = [b - a for a, b in zip(bounds_k, bounds_k[1:])]
+    if used is None:
+        return ranges
+    for r, (u, n) in enumerate(zip(used, ranges)):
+        if not 0 <= u <= n:
+            raise OpsInputError(f"seqused_k[{r}] = {u} outside [0, {n}] (the request's "
+                                f"cu_seqlens_k range)")
+    return list(used)
+
+
+def used_key_rows(bounds_k: list[int], used: list[int],
+                  device: torch.device | str = "cpu") -> tuple[torch.Tensor, list[int]]:
+    """Rows of the first ``used[i]`` keys of each request's range, and their packed cumulative
+    bounds: ``k[rows]`` with those bounds is what ``seqused_k`` attends (a copy)."""
+    rows = [torch.arange(a, a + u, device=device) for a, u in zip(bounds_k, used)]
+    packed = [0]
+    for u in used:
+        packed.append(packed[-1] + u)
+    return (torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long, device=device)), packed
 
 
 class AttentionOps(Protocol):
@@ -53,11 +78,17 @@ class AttentionOps(Protocol):
         scale: float,
         causal: bool,
         window: int | None = None,
+        seqused_k: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of packed queries over packed keys, request by request.
 
         q: [Tq, Hq, D]; k, v: [Tk, Hkv, D] with Hq % Hkv == 0 (GQA/MQA);
         cu_seqlens_q / cu_seqlens_k: [R + 1] cumulative lengths (int64, on any device).
+        seqused_k: optional [R] integer used-key counts (vLLM / FlashAttention's name and
+        meaning): request i attends only the first ``seqused_k[i]`` keys of its range
+        ``[cu_seqlens_k[i], cu_seqlens_k[i + 1])`` (``0 <= seqused_k[i] <=`` the range), and
+        those are its ``n_k`` for the causal / window alignment. So a caller attends a prefix
+        of each request's keys without packing (copying) them; None uses whole ranges.
         Returns out [Tq, Hq, D] (accumulation dtype) and lse [Tq, Hq] (float32/float64).
         """
         ...

@@ -5,6 +5,9 @@ paged calls in :mod:`cp_attention.ops.paged_plan`; see docs/devices.md):
 
 * ``varlen_attention``  -> ``torch_npu.npu_fused_infer_attention_score`` (TND, sparse_mode
   0/3/4, cumulative ``actual_seq_lengths``/``actual_seq_lengths_kv``, ``softmax_lse_flag``);
+  ``seqused_k`` becomes ``actual_seq_lengths_kv``: TND K/V are packed (request i's keys end
+  where request i + 1's begin), so used prefixes shorter than their ranges are packed first
+  (one ``index_select`` of the used rows; whole ranges pass through uncopied);
 * ``paged_attention``   -> the same op with ``block_table``/``block_size`` (per-request kv
   lengths), one call per group of requests sharing sparse arguments;
 * ``reshape_and_cache`` -> ``torch_npu._npu_reshape_and_cache`` (int32 slots, -1 skipped);
@@ -24,7 +27,8 @@ import torch
 
 from cp_attention.ops import npu_args
 from cp_attention.ops.checks import check_cache_write_args, check_paged_args, check_varlen_args
-from cp_attention.ops.interface import AttentionOps, accumulation_dtype, empty_result
+from cp_attention.ops.interface import (AttentionOps, accumulation_dtype, empty_result,
+                                        used_key_lengths, used_key_rows)
 from cp_attention.ops.merge import merge_attn_states
 from cp_attention.ops.paged_plan import plan_paged
 from cp_attention.ops.reference import ReferenceOps
@@ -77,15 +81,21 @@ class NpuOps(AttentionOps):
         return out, lse
 
     def varlen_attention(self, q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal,
-                         window=None):
+                         window=None, seqused_k=None):
         """q [Tq, Hq, D], k/v [Tk, Hkv, D] -> (out [Tq, Hq, D] acc dtype, lse [Tq, Hq])."""
         if not self._native(q.dtype):
             return self._reference.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k,
-                                                    scale=scale, causal=causal, window=window)
-        check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, window, causal)
+                                                    scale=scale, causal=causal, window=window,
+                                                    seqused_k=seqused_k)
+        check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, window, causal, seqused_k)
         acc = accumulation_dtype(q.dtype)
         cu_q = [0] + npu_args.cumulative_lengths(cu_seqlens_q)
         cu_k = [0] + npu_args.cumulative_lengths(cu_seqlens_k)
+        if seqused_k is not None:
+            used = used_key_lengths(cu_k, [int(x) for x in seqused_k.tolist()])
+            if used != used_key_lengths(cu_k, None):  # TND has no gaps: pack the prefixes
+                rows, cu_k = used_key_rows(cu_k, used, k.device)
+                k, v = k.index_select(0, rows), v.index_select(0, rows)
         visible = npu_args.visible_rows_dense(cu_q, cu_k, causal, window)
         if q.shape[0] == 0 or k.shape[0] == 0 or not bool(visible.any()):
             return empty_result(q, acc)

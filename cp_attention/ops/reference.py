@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from cp_attention.errors import OpsInputError
 from cp_attention.mathutils import ceil_div
 from cp_attention.ops.checks import check_cache_write_args, check_paged_args, check_varlen_args
 from cp_attention.ops.interface import AttentionOps, accumulation_dtype, empty_result
@@ -109,13 +110,19 @@ class ReferenceOps(AttentionOps):
     name = "reference"
 
     def varlen_attention(self, q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal,
-                         window=None):
-        check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, window, causal)
+                         window=None, seqused_k=None):
+        check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, window, causal, seqused_k)
         acc = accumulation_dtype(q.dtype)
         out, lse = empty_result(q, acc)
         bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+        used = None if seqused_k is None else seqused_k.tolist()
         for r in range(len(bounds_q) - 1):
             qs, qe, ks, ke = bounds_q[r], bounds_q[r + 1], bounds_k[r], bounds_k[r + 1]
+            if used is not None:  # the first seqused_k[r] keys of the range (a view, no copy)
+                if not 0 <= used[r] <= ke - ks:
+                    raise OpsInputError(f"seqused_k[{r}] = {used[r]} outside [0, {ke - ks}] "
+                                        f"(the request's cu_seqlens_k range)")
+                ke = ks + used[r]
             if qe > qs and ke > ks:
                 out[qs:qe], lse[qs:qe] = attend_dense(
                     q[qs:qe], k[ks:ke], v[ks:ke], scale=scale, causal=causal, window=window)

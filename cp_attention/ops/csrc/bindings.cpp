@@ -23,7 +23,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(out fp32, lse fp32)");
 #ifdef CP_ATTENTION_HAS_VARLEN
   m.def("varlen_attention", &varlen_attention_cpu,
-        "varlen attention (q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, window<=0: none) "
-        "-> (out fp32, lse fp32)");
+        "varlen attention (q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, window<=0: none, "
+        "seqused_k=None) -> (out fp32, lse fp32)",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("cu_seqlens_q"),
+        py::arg("cu_seqlens_k"), py::arg("scale"), py::arg("causal"), py::arg("window"),
+        py::arg("seqused_k") = py::none());
 #endif
 }

@@ -262,6 +262,7 @@ struct Problem {
   int64_t window;            // <= 0: none
   const int64_t* cu_q;
   const int64_t* cu_k;
+  const int64_t* nk;  // [R] keys each request attends: its cu_k range, or seqused_k
   float* out;  // [Tq, Hq, D] contiguous
   float* lse;  // [Tq, Hq] contiguous
 };
@@ -337,7 +338,7 @@ template <typename scalar_t>
 void attend_item(const Problem<scalar_t>& pr, const WorkItem& w, Scratch& s) {
   const int64_t group = pr.group, dim = pr.head_size, dp = pr.head_size_padded;
   const int64_t q_begin = pr.cu_q[w.request], k_begin = pr.cu_k[w.request];
-  const int64_t nq = pr.cu_q[w.request + 1] - q_begin, nk = pr.cu_k[w.request + 1] - k_begin;
+  const int64_t nq = pr.cu_q[w.request + 1] - q_begin, nk = pr.nk[w.request];
   const int64_t rows = w.num_tokens * group, mp = round_up(rows, kLanes);
   const int64_t first_head = w.kv_head * group;
   const int64_t p_lo = nk - nq + w.token_start, p_hi = p_lo + w.num_tokens - 1;
@@ -419,7 +420,7 @@ void run_varlen(const Problem<scalar_t>& pr, int64_t num_requests, int64_t num_k
   const int64_t tokens_per_item = std::max<int64_t>(1, kTargetRows / pr.group);
   std::vector<WorkItem> items;
   for (int64_t r = 0; r < num_requests; ++r) {
-    const int64_t nq = pr.cu_q[r + 1] - pr.cu_q[r], nk = pr.cu_k[r + 1] - pr.cu_k[r];
+    const int64_t nq = pr.cu_q[r + 1] - pr.cu_q[r], nk = pr.nk[r];
     for (int64_t t0 = 0; t0 < nq; t0 += tokens_per_item) {
       const int64_t tn = std::min(tokens_per_item, nq - t0);
       const int64_t p_lo = nk - nq + t0;
@@ -459,8 +460,9 @@ std::vector<int64_t> offsets(const at::Tensor& cu, const char* name) {
 
 template <typename scalar_t>
 void launch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-            const std::vector<int64_t>& cu_q, const std::vector<int64_t>& cu_k, double scale,
-            bool causal, int64_t window, at::Tensor& out, at::Tensor& lse) {
+            const std::vector<int64_t>& cu_q, const std::vector<int64_t>& cu_k,
+            const std::vector<int64_t>& nk, double scale, bool causal, int64_t window,
+            at::Tensor& out, at::Tensor& lse) {
   Problem<scalar_t> pr;
   pr.q = q.data_ptr<scalar_t>();
   pr.k = k.data_ptr<scalar_t>();
@@ -481,6 +483,7 @@ void launch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   pr.window = window;
   pr.cu_q = cu_q.data();
   pr.cu_k = cu_k.data();
+  pr.nk = nk.data();
   pr.out = out.data_ptr<float>();
   pr.lse = lse.data_ptr<float>();
   run_varlen(pr, static_cast<int64_t>(cu_q.size()) - 1, k.size(1));
@@ -491,7 +494,7 @@ void launch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 std::tuple<at::Tensor, at::Tensor> varlen_attention_cpu(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, double scale, bool causal,
-    int64_t window) {
+    int64_t window, const std::optional<at::Tensor>& seqused_k) {
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
               "varlen_attention_cpu: tensors must be on the CPU");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(),
@@ -509,17 +512,34 @@ std::tuple<at::Tensor, at::Tensor> varlen_attention_cpu(
   TORCH_CHECK(cu_q.size() == cu_k.size() && !cu_q.empty() && cu_q.back() == q.size(0) &&
                   cu_k.back() == k.size(0),
               "varlen_attention_cpu: cu_seqlens do not match the tensors");
+  const int64_t num_requests = static_cast<int64_t>(cu_k.size()) - 1;
+  std::vector<int64_t> nk(num_requests);
+  for (int64_t r = 0; r < num_requests; ++r) nk[r] = cu_k[r + 1] - cu_k[r];
+  if (seqused_k.has_value()) {  // request r attends the first seqused_k[r] keys of its range
+    const at::Tensor& used_in = *seqused_k;
+    TORCH_CHECK(used_in.dim() == 1 && used_in.numel() == num_requests &&
+                    (used_in.scalar_type() == at::kInt || used_in.scalar_type() == at::kLong),
+                "varlen_attention_cpu: seqused_k must be a 1-D int32/int64 tensor of ",
+                num_requests, " requests");
+    const at::Tensor used = used_in.to(at::kCPU, at::kLong).contiguous();
+    const int64_t* u = used.data_ptr<int64_t>();
+    for (int64_t r = 0; r < num_requests; ++r) {
+      TORCH_CHECK(u[r] >= 0 && u[r] <= nk[r], "varlen_attention_cpu: seqused_k[", r, "] = ",
+                  u[r], " outside [0, ", nk[r], "] (the request's cu_seqlens_k range)");
+      nk[r] = u[r];
+    }
+  }
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
   at::Tensor lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
   switch (q.scalar_type()) {
     case at::kFloat:
-      launch<float>(q, k, v, cu_q, cu_k, scale, causal, window, out, lse);
+      launch<float>(q, k, v, cu_q, cu_k, nk, scale, causal, window, out, lse);
       break;
     case at::kBFloat16:
-      launch<c10::BFloat16>(q, k, v, cu_q, cu_k, scale, causal, window, out, lse);
+      launch<c10::BFloat16>(q, k, v, cu_q, cu_k, nk, scale, causal, window, out, lse);
       break;
     case at::kHalf:
-      launch<c10::Half>(q, k, v, cu_q, cu_k, scale, causal, window, out, lse);
+      launch<c10::Half>(q, k, v, cu_q, cu_k, nk, scale, causal, window, out, lse);
       break;
     default:
       TORCH_CHECK(false, "varlen_attention_cpu: dtype must be float32, bfloat16 or float16, got ",
