@@ -9,9 +9,16 @@ min(bandwidth, fp32 matmul FLOP rate / that intensity). Decode rows also time th
 (``impl.forward``, cache write included; the step's metadata built once, as for all layers of
 a model step, its build time reported apart) on the same decode: ``layer/op`` is the layer's
 overhead over the bare op. vLLM runs where it is installed
-(``/work/venv-vllm``); elsewhere the table has ours and SDPA only.
+(``.venv-vllm``, plus matplotlib); elsewhere the table has ours and SDPA only.
 
-    PYTHONPATH=$PWD /work/venv-vllm/bin/python -m benchmarks.bench_cpu_ops --out results/
+    PYTHONPATH=$PWD .venv-vllm/bin/python -m benchmarks.bench_cpu_ops --out results/
+
+``--matrix`` (issue 18) runs the shape matrix instead (``bench_cpu_matrix.json`` and a
+heatmap of ours/vLLM): decode over B x context x (Hq, Hkv) x D x dtype, each on our cache layout
+``[2, blocks, block_size, Hkv, D]`` and on vLLM's packed ``[blocks, Hkv, block_size, 2 D]``, with
+sequential and random block tables; causal prefill over S x the same head shapes. Rows whose K/V
+copy would exceed ``--max-kv-gib`` or whose prefill exceeds ``--max-prefill-tflop`` are listed
+as skipped, not dropped. ``--matrix --quick`` is the smoke-test subset.
 """
 from __future__ import annotations
 
@@ -89,7 +96,7 @@ def _timed(fn) -> float:
 class Problem:
     """One case's data: contiguous K/V per request, our paged cache, vLLM's packed cache."""
 
-    def __init__(self, case: Case, with_vllm: bool, seed: int = 0):
+    def __init__(self, case: Case, with_vllm: bool, seed: int = 0, sequential: bool = False):
         gen = torch.Generator().manual_seed(seed)
         dtype = getattr(torch, case.dtype)
         b, n, hkv, d = case.batch, case.context, case.kv_heads, case.head_size
@@ -100,7 +107,9 @@ class Problem:
         self.v = torch.randn(b * n, hkv, d, generator=gen).to(dtype)
         blocks_per_req = -(-n // BLOCK_SIZE)
         num_blocks = b * blocks_per_req
-        self.block_table = torch.randperm(num_blocks, generator=gen).view(b, blocks_per_req)
+        order = torch.arange(num_blocks) if sequential else torch.randperm(num_blocks,
+                                                                               generator=gen)
+        self.block_table = order.view(b, blocks_per_req)
         self.block_table = self.block_table.to(torch.int32)
         pos = torch.arange(n)
         slots = (self.block_table.long()[:, pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
@@ -114,6 +123,10 @@ class Problem:
         kv = self.packed.unflatten(-1, (2, d)).permute(3, 0, 2, 1, 4)
         self.key_cache, self.value_cache = kv[0], kv[1]
         self.ops.reshape_and_cache(self.k, self.v, self.key_cache, self.value_cache, self.slots)
+        # The project's own layout (CPAttentionBackend.get_kv_cache_shape): heads interleaved.
+        self.own_cache = torch.empty(2, num_blocks, BLOCK_SIZE, hkv, d, dtype=dtype)
+        self.ops.reshape_and_cache(self.k, self.v, self.own_cache[0], self.own_cache[1],
+                                   self.slots)
         self.vllm = self._vllm_cache(num_blocks, dtype) if with_vllm else None
         self.layer = self._layer(num_blocks) if case.kind == "decode" else None
 
@@ -163,6 +176,12 @@ class Problem:
         return self.ops.varlen_attention(self.q, self.k, self.v, self.cu_q, self.cu_k,
                                          scale=self.scale, causal=True)[0]
 
+    def ours_own_layout(self) -> torch.Tensor:
+        """Decode on the ``[2, blocks, block_size, Hkv, D]`` cache."""
+        return self.ops.paged_attention(self.q, self.own_cache[0], self.own_cache[1],
+                                        self.block_table, self.cu_q, self.seq_lens,
+                                        scale=self.scale)[0]
+
     def vllm_kernel(self) -> torch.Tensor:
         m = self.vllm
         vllm_ops.cpu_attention_with_kv_cache(
@@ -192,6 +211,11 @@ class Problem:
         ``2 * 2 * group * D`` flops for ``2 * D * element size`` bytes."""
         group = self.case.q_heads // self.case.kv_heads
         return 2 * group * self.q_len / self.k.element_size()
+
+    def prefill_flops(self) -> float:
+        """Causal prefill flops (QK and PV over the lower triangle)."""
+        c = self.case
+        return 4.0 * c.batch * c.q_heads * c.head_size * c.context * (c.context + 1) / 2
 
 
 def measure(case: Case, repeats: int, with_vllm: bool) -> dict:
@@ -280,8 +304,179 @@ def _plot(payload: dict, out_dir: str | Path) -> None:
     save_figure(fig, out_dir, NAME)
 
 
+# -- the shape matrix (issue 18) -------------------------------------------------------------
+MATRIX_NAME = "bench_cpu_matrix"
+HEAD_SHAPES = [(8, 1), (8, 8), (9, 3), (32, 8)]
+
+
+def matrix_cases(quick: bool) -> list[tuple[Case, bool]]:
+    """(case, sequential block table) of the matrix; ``quick``: a small subset."""
+    if quick:
+        decode = [Case(f"decode B=2 ctx 512 {hq}/{hkv} D=64 {dt}", "decode", 2, 512, hq, hkv,
+                       64, dt) for hq, hkv in [(8, 1), (9, 3)] for dt in ("float32", "bfloat16")]
+        prefill = [Case("prefill S=256 9/3 D=64 float32", "prefill", 1, 256, 9, 3, 64,
+                        "float32")]
+        return [(c, seq) for c in decode for seq in (False, True)] + [(c, False) for c in prefill]
+    rows = []
+    for dt in ("float32", "bfloat16"):
+        for d in (64, 128):
+            for hq, hkv in HEAD_SHAPES:
+                for b in (1, 4, 64):
+                    for ctx in (1024, 8192, 65536):
+                        case = Case(f"decode B={b} ctx {ctx // 1024}k {hq}/{hkv} D={d} {dt}",
+                                    "decode", b, ctx, hq, hkv, d, dt)
+                        rows += [(case, False), (case, True)]
+                for s in (2048, 8192, 32768):
+                    rows.append((Case(f"prefill S={s // 1024}k {hq}/{hkv} D={d} {dt}", "prefill",
+                                      1, s, hq, hkv, d, dt), False))
+    return rows
+
+
+def cpu_model() -> str:
+    """The CPU's model name, family and model number (from /proc/cpuinfo)."""
+    fields = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        return "unknown"
+    return (f"{fields.get('model name', '?')} (family {fields.get('cpu family', '?')} model "
+            f"{fields.get('model', '?')})")
+
+
+def _skip_reason(case: Case, max_kv_gib: float, max_prefill_tflop: float) -> str | None:
+    elem = 4 if case.dtype == "float32" else 2
+    kv_gib = 2 * case.batch * case.context * case.kv_heads * case.head_size * elem / 2 ** 30
+    if kv_gib > max_kv_gib:
+        return f"K/V {kv_gib:.1f} GiB per copy > --max-kv-gib {max_kv_gib}"
+    if case.kind == "prefill":
+        tflop = 4 * case.q_heads * case.head_size * case.context ** 2 / 2 / 1e12
+        if tflop > max_prefill_tflop:
+            return f"{tflop:.2f} TFLOP > --max-prefill-tflop {max_prefill_tflop}"
+    return None
+
+
+def measure_matrix_row(case: Case, sequential: bool, repeats: int, with_vllm: bool,
+                       roof: tuple[float, float]) -> dict:
+    """One matrix row: vLLM's kernel, ours (decode: on both cache layouts), SDPA; min of
+    interleaved repeats; ours as a fraction of its roofline."""
+    problem = Problem(case, with_vllm, sequential=sequential)
+    impls = {"ours": problem.ours, "sdpa": problem.sdpa}
+    if case.kind == "decode":
+        impls["ours_own_layout"] = problem.ours_own_layout
+    if with_vllm:
+        impls["vllm"] = problem.vllm_kernel
+    reference = problem.ours().float()
+    diff = max((fn().float() - reference).abs().max().item() for fn in impls.values())
+    samples = {name: [] for name in impls}
+    for _ in range(repeats):
+        for name, fn in impls.items():
+            samples[name].append(_timed(fn))
+    row = {**asdict(case), "sequential_blocks": sequential, "repeats": repeats,
+           **{f"{name}_ms": min(s) * 1e3 for name, s in samples.items()},
+           "max_abs_diff": diff}
+    bandwidth, gflops = roof
+    if case.kind == "decode":
+        row["ours_packed_ms"] = row.pop("ours_ms")
+        row["ours_ms"] = max(row["ours_packed_ms"], row["ours_own_layout_ms"])  # the worse
+        roof_gbs = min(bandwidth, gflops / problem.flops_per_kv_byte())
+        row["ours_fraction_of_roof"] = problem.kv_bytes() / (row["ours_ms"] / 1e3) / 1e9 / roof_gbs
+    else:
+        row["ours_fraction_of_roof"] = problem.prefill_flops() / (row["ours_ms"] / 1e3) / 1e9 / gflops
+    if with_vllm:
+        row["ours_over_vllm"] = row["ours_ms"] / row["vllm_ms"]
+    row["ours_over_sdpa"] = row["ours_ms"] / row["sdpa_ms"]
+    return row
+
+
+def run_matrix(out_dir: str | Path, quick: bool = False, threads: int = 1,
+               max_kv_gib: float = 1.0, max_prefill_tflop: float = 0.3) -> dict:
+    """The issue-18 matrix; writes ``bench_cpu_matrix.json`` and its heatmap."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    with_vllm = vllm_ops is not None
+    rows, skipped = [], []
+    start = time.perf_counter()
+    try:
+        roof = (memory_bandwidth_gbs(64 if quick else 1024), matmul_gflops(256 if quick else 1024))
+        for case, sequential in matrix_cases(quick):
+            reason = _skip_reason(case, max_kv_gib, max_prefill_tflop)
+            if reason is not None:
+                skipped.append({"label": case.label, "sequential_blocks": sequential,
+                                "reason": reason})
+                continue
+            repeats = 2 if quick else (3 if case.kind == "decode" else 2)
+            rows.append(measure_matrix_row(case, sequential, repeats, with_vllm, roof))
+            print(f"{case.label}{' seq' if sequential else ''}: " + ", ".join(
+                f"{k[:-3]} {rows[-1][k]:.2f}" for k in rows[-1] if k.endswith("_ms")), flush=True)
+    finally:
+        torch.set_num_threads(saved)
+    payload = {
+        "what": "ms per call, min over interleaved repeats; decode ours = the worse of our "
+                "kernel on vLLM's packed layout (ours_packed) and on our own [2, blocks, "
+                "block_size, Hkv, D] layout (ours_own_layout); prefill ours = varlen_attention "
+                "(causal); vllm = cpu_attention_with_kv_cache (its packed layout, no LSE); sdpa "
+                "on contiguous K/V; ours_fraction_of_roof: decode K/V GB/s over min(bandwidth, "
+                "GFLOP/s / flops per byte), prefill GFLOP/s over the fp32 matmul rate",
+        "cpu": cpu_model(), "threads": threads, "block_size": BLOCK_SIZE,
+        "ops": get_ops("cpu").name, "vllm_available": with_vllm,
+        "memory_read_bandwidth_gbs": roof[0], "matmul_gflops": roof[1],
+        "max_kv_gib": max_kv_gib, "max_prefill_tflop": max_prefill_tflop,
+        "run_s": time.perf_counter() - start, "rows": rows, "skipped": skipped,
+    }
+    write_json(out_dir, MATRIX_NAME, payload)
+    _plot_matrix(payload, out_dir)
+    return payload
+
+
+def _plot_matrix(payload: dict, out_dir: str | Path) -> None:
+    """Heatmap of ours/vLLM (ours/SDPA without vLLM): decode (random blocks) and prefill."""
+    key = "ours_over_vllm" if payload["vllm_available"] else "ours_over_sdpa"
+    panels = [("decode", [r for r in payload["rows"]
+                          if r["kind"] == "decode" and not r["sequential_blocks"]]),
+              ("prefill", [r for r in payload["rows"] if r["kind"] == "prefill"])]
+    fig, axes = new_figure(ncols=2, width=7, height=7)
+    for ax, (kind, rows) in zip(axes, panels):
+        ys = sorted({(r["q_heads"], r["kv_heads"], r["head_size"], r["dtype"]) for r in rows})
+        xs = sorted({(r["batch"], r["context"]) for r in rows})
+        grid = [[float("nan")] * len(xs) for _ in ys]
+        for r in rows:
+            y = ys.index((r["q_heads"], r["kv_heads"], r["head_size"], r["dtype"]))
+            grid[y][xs.index((r["batch"], r["context"]))] = r[key]
+        image = ax.imshow(grid, cmap="RdYlGn_r", vmin=0.3, vmax=1.7, aspect="auto")
+        for y, line in enumerate(grid):
+            for x, value in enumerate(line):
+                if value == value:
+                    ax.text(x, y, f"{value:.2f}", ha="center", va="center", fontsize=6)
+        ax.set_xticks(range(len(xs)))
+        ax.set_xticklabels([f"B={b}\n{c // 1024}k" if kind == "decode" else f"S={c // 1024}k"
+                            for b, c in xs], fontsize=6)
+        ax.set_yticks(range(len(ys)))
+        ax.set_yticklabels([f"{hq}/{hkv} D={d} {dt[:4]}" for hq, hkv, d, dt in ys], fontsize=6)
+        ax.set_title(f"{kind}: {key.replace('_', ' ')} (< 1: ours faster)", fontsize=9)
+        fig.colorbar(image, ax=ax, shrink=0.7)
+    fig.suptitle(f"{payload['cpu']}, {payload['threads']} thread; blank: skipped (JSON)",
+                 fontsize=9)
+    save_figure(fig, out_dir, MATRIX_NAME)
+
+
+def _matrix_args(parser) -> None:
+    parser.add_argument("--matrix", action="store_true", help="the issue-18 shape matrix")
+    parser.add_argument("--max-kv-gib", type=float, default=1.0,
+                        help="matrix: skip rows whose K/V copy exceeds this")
+    parser.add_argument("--max-prefill-tflop", type=float, default=0.3,
+                        help="matrix: skip prefill rows above this many TFLOP")
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(__doc__, argv)
+    args = parse_args(__doc__, argv, _matrix_args)
+    if args.matrix:
+        payload = run_matrix(args.out, args.quick, max_kv_gib=args.max_kv_gib,
+                             max_prefill_tflop=args.max_prefill_tflop)
+        print(f"{payload['cpu']}: {len(payload['rows'])} rows in {payload['run_s']:.0f} s, "
+              f"{len(payload['skipped'])} skipped")
+        return
     payload = run(args.out, args.quick)
     print(f"memory read bandwidth: {payload['memory_read_bandwidth_gbs']:.1f} GB/s, fp32 matmul "
           f"{payload['matmul_gflops']:.1f} GFLOP/s ({payload['threads']} thread)")

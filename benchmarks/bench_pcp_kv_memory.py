@@ -40,7 +40,7 @@ from cp_attention.backend import CPAttentionBackend
 from cp_attention.config import CPConfig
 from cp_attention.impl import cp as cp_impl
 from cp_attention.metadata.common import StepSpec
-from cp_attention.metadata.kv_layout import blocks_needed
+from cp_attention.metadata.kv_layout import KVSharding
 from cp_attention.testing.pool import RankPool
 
 NAME = "bench_pcp_kv_memory"
@@ -76,7 +76,7 @@ def _storage(t: torch.Tensor) -> int:
 
 def _layer(groups, cfg: CPConfig, tokens: int, seed: int):
     """One rank's layer, metadata, inputs, KV cache and output for a ``tokens`` prefill."""
-    num_blocks = int(blocks_needed(np.array([tokens]), cfg.block_size, cfg.kv_world)[0]) + 1
+    num_blocks = int(KVSharding.of(cfg).blocks_needed(np.array([tokens]))[0]) + 1
     builder = CPAttentionBackend.get_builder_cls(cfg)(cfg, groups.ranks, None, num_blocks)
     impl = CPAttentionBackend.get_impl_cls(cfg)(HQ, HEAD_SIZE, HEAD_SIZE ** -0.5, HKV,
                                                 groups=groups)

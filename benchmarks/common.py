@@ -21,10 +21,15 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def parse_args(description: str, argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(description: str, argv: list[str] | None = None,
+               extra: Callable[[argparse.ArgumentParser], None] | None = None
+               ) -> argparse.Namespace:
+    """``--out`` and ``--quick``, plus what ``extra`` adds to the parser."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--out", default=str(REPO_ROOT / "results"), help="output folder")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
+    if extra is not None:
+        extra(parser)
     return parser.parse_args(argv)
 
 

@@ -139,3 +139,16 @@ def test_cpu_ops(out):
     for r in data["rows"]:
         assert r["ours_ms"] > 0 and r["sdpa_ms"] > 0
         assert max(r["max_abs_diff_vs_ours"].values()) < 5e-2  # same data, same attention
+
+
+def test_cpu_ops_matrix(out):
+    bench_cpu_ops.run_matrix(out, quick=True)
+    data = _load(out, "bench_cpu_matrix")
+    assert data["cpu"] and data["rows"] and len(data["rows"]) + len(data["skipped"]) == 9
+    assert {r["kind"] for r in data["rows"]} == {"decode", "prefill"}
+    assert {r["sequential_blocks"] for r in data["rows"] if r["kind"] == "decode"} == {False, True}
+    for r in data["rows"]:
+        assert r["max_abs_diff"] < 5e-2  # every implementation computes the same attention
+        assert r["ours_ms"] > 0 and 0 < r["ours_fraction_of_roof"]
+        if r["kind"] == "decode":  # ours is the worse of the two cache layouts
+            assert r["ours_ms"] == max(r["ours_packed_ms"], r["ours_own_layout_ms"])
