@@ -249,7 +249,7 @@ CP_INLINE void qk_tile(const float* q_t, const float* keys, int64_t key_stride, 
 }
 
 // Lane i of the result = the sum of the lanes of a[i] (a tree of in-lane shuffles and adds).
-inline vf8 reduce8(const vf8* a) {
+CP_INLINE vf8 reduce8(const vf8* a) {
   vf8 pairs[4];  // pairs[i]: partial sums of a[2i] and a[2i + 1], interleaved
   for (int i = 0; i < 4; ++i) {
     const vf8 lo = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
@@ -287,7 +287,15 @@ CP_INLINE void qk_dot_block(const float* q, const key_t* keys, int64_t key_strid
     }
   }
   const vf8 dots = reduce8(acc);
-  for (int j = 0; j < J; ++j) {
+  if (vec_end == dim) {  // lanes [jR, jR + R) of dots to lanes [0, R) of scores[j], in registers
+    const vi8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
+    for (int j = 0; j < J; ++j) {
+      const vf8 row = __builtin_shuffle(dots, (lane + j * R) & 7);
+      scores[j] = lane < R ? row : splat(0.f);
+    }
+    return;
+  }
+  for (int j = 0; j < J; ++j) {  // head sizes that are not a multiple of 8
     vf8 row = splat(0.f);
     for (int r = 0; r < R; ++r) {
       float x = dots[j * R + r];
