@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import time
+from pathlib import Path
 
 RESULT_PREFIX = "CP_E2E_RESULT "
 
@@ -34,7 +35,8 @@ def main() -> None:
     p.add_argument("--prompt-logprobs", type=int, default=None)
     p.add_argument("--no-eager", action="store_true", help="leave enforce_eager off")
     p.add_argument("--max-model-len", type=int, default=256)
-    p.add_argument("--prompts", required=True, help="JSON list of token-id lists")
+    p.add_argument("--prompts", required=True,
+                   help="JSON list of token-id lists, or @file holding it")
     a = p.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
@@ -56,7 +58,8 @@ def main() -> None:
     t0 = time.time()
     llm = LLM(**kwargs)
     t1 = time.time()
-    prompts = [{"prompt_token_ids": ids} for ids in json.loads(a.prompts)]
+    text = Path(a.prompts[1:]).read_text() if a.prompts.startswith("@") else a.prompts
+    prompts = [{"prompt_token_ids": ids} for ids in json.loads(text)]
     max_tokens = json.loads(a.max_tokens)
     if isinstance(max_tokens, int):
         max_tokens = [max_tokens] * len(prompts)

@@ -14,19 +14,14 @@ its process group (SIGKILL after a bound) and the test asserts no process of it 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from harness import RunSpec, Runs, greedy_margins, max_logprob_diff, tokens  # sibling modules
+from server import Server, group_alive
 from tiny_model import make_tiny_llama, token_text, write_word_tokenizer
 
 pytestmark = pytest.mark.vllm
@@ -51,90 +46,10 @@ SCHEDULE = ["--block-size", "32", "--max-num-seqs", "3", "--max-num-batched-toke
 SERVER_LAYOUT = ["--prefill-context-parallel-size", "2"]
 SERVER_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind",
               "CP_ATTENTION_VLLM_CHECK_TOKENS": "1"}  # every step: all PCP ranks sampled alike
-START_TIMEOUT_S = 420  # model load + worker start-up on a loaded 2-core machine
 REQUEST_TIMEOUT_S = 180
-STOP_TIMEOUT_S = 60
-
-
-def _clean_env(extra: dict[str, str]) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("CP_ATTENTION_VLLM", "VLLM_"))}
-    env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}, **extra)
-    return env
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-class Server:
-    """One ``vllm.entrypoints.openai.api_server`` in its own process group, logging to a file."""
-
-    def __init__(self, model: Path, log_path: Path) -> None:
-        self.port = _free_port()
-        self.log_path = log_path
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-               "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(self.port),
-               "--dtype", "float32", "--max-model-len", "256", "--seed", "0", "--enforce-eager",
+SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "256", "--seed", "0", "--enforce-eager",
                "--load-format", "safetensors", "--no-enable-prefix-caching",
                "--distributed-executor-backend", "mp", *SCHEDULE, *SERVER_LAYOUT]
-        env = _clean_env({"CP_ATTENTION_VLLM": "1", "VLLM_LOGGING_LEVEL": "INFO", **SERVER_ENV})
-        self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
-        self.pgid = self.proc.pid  # start_new_session: the server leads its own group
-        self.stopped_cleanly: bool | None = None
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def log(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")
-
-    def wait_healthy(self, timeout_s: float) -> float:
-        """Poll ``/health`` until 200; returns the seconds it took. Fails on exit or timeout."""
-        start = time.time()
-        while time.time() - start < timeout_s:
-            if self.proc.poll() is not None:
-                pytest.fail(f"server exited with rc {self.proc.returncode} during start-up; "
-                            f"log tail:\n{self.log()[-4000:]}")
-            try:
-                with urllib.request.urlopen(self.base_url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        return time.time() - start
-            except OSError:
-                pass
-            time.sleep(2)
-        pytest.fail(f"server not healthy after {timeout_s} s; log tail:\n{self.log()[-4000:]}")
-
-    def stop(self) -> None:
-        """SIGTERM to the whole group, SIGKILL after STOP_TIMEOUT_S; idempotent."""
-        if self.stopped_cleanly is not None:
-            return
-        if _group_alive(self.pgid):
-            os.killpg(self.pgid, signal.SIGTERM)
-        deadline = time.time() + STOP_TIMEOUT_S
-        while _group_alive(self.pgid) and time.time() < deadline:
-            self.proc.poll()  # reap the leader so the group can empty
-            time.sleep(0.5)
-        self.stopped_cleanly = not _group_alive(self.pgid)
-        if not self.stopped_cleanly:
-            os.killpg(self.pgid, signal.SIGKILL)
-        try:
-            self.proc.wait(timeout=10)
-        finally:
-            self._log.close()
 
 
 def _offline_reference(model: Path, workdir: Path) -> dict:
@@ -178,10 +93,11 @@ def served(tmp_path_factory):
     import openai  # a vLLM dependency (never skipped: missing, it is an error)
     root = tmp_path_factory.mktemp("vllm_serve")
     model = write_word_tokenizer(make_tiny_llama(root / "gqa", num_kv_heads=2))
-    server = Server(model, root / "server.log")
+    server = Server(model, root / "server.log", SERVED_NAME, SERVER_ARGS,
+                    {"CP_ATTENTION_VLLM": "1", "VLLM_LOGGING_LEVEL": "INFO", **SERVER_ENV})
     try:
         reference = _offline_reference(model, root)
-        startup_s = server.wait_healthy(START_TIMEOUT_S)
+        startup_s = server.wait_healthy()
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused",
                                timeout=REQUEST_TIMEOUT_S, max_retries=0)
         start = time.time()
@@ -239,4 +155,4 @@ def test_server_stops_cleanly_and_leaves_no_process(served):
     server = served["server"]
     server.stop()
     assert server.stopped_cleanly, "server group still alive after SIGTERM; killed"
-    assert not _group_alive(server.pgid)
+    assert not group_alive(server.pgid)
