@@ -37,12 +37,18 @@ inline vf8 load8(const float* p) {
 
 // 8 bfloat16 / float16 values widened to float32 (a bfloat16 is the upper half of a float32).
 inline vf8 load8(const c10::BFloat16* p) {
+#if defined(__AVX2__)
+  // one zero-extending load and one shift (GCC splits __builtin_convertvector in halves)
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+#else
   vu16x8 h;
   std::memcpy(&h, p, sizeof(h));
   const vu32x8 w = __builtin_convertvector(h, vu32x8) << 16;
   vf8 v;
   std::memcpy(&v, &w, sizeof(v));
   return v;
+#endif
 }
 
 inline vf8 load8(const c10::Half* p) {
