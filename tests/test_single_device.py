@@ -196,8 +196,11 @@ def test_decode_only_step_plans_one_paged_pass():
     shard = CPMetadataBuilder(dcp, CPRanks.of(dcp, 1)).build(spec).single_pass
     assert shard.seq_lens.tolist() == [3, 6]  # odd positions live on DCP rank 1
     assert shard.kv_start is None and shard.kv_end.tolist() == [3, 5, 5, 6]
-    pcp = CPConfig(pcp_size=2, decode_threshold=3)  # the cache is sharded over PCP ranks too:
-    assert CPMetadataBuilder(pcp, CPRanks()).build(spec).single_pass is None  # queries gathered
+    pcp = CPConfig(pcp_size=2, decode_threshold=3)  # the cache is sharded over PCP ranks too
+    over_pcp = CPMetadataBuilder(pcp, CPRanks.of(pcp, 1)).build(spec)
+    assert over_pcp.ctx_over_pcp and over_pcp.single_pass.seq_lens.tolist() == [3, 6]
+    mixed = CPMetadataBuilder(pcp, CPRanks()).build(StepSpec((5, 0), (1, 4), table))
+    assert mixed.single_pass is None  # prefill queries are gathered over PCP: general plan
 
 
 def test_decode_only_forward_is_one_write_and_one_paged_call():

@@ -58,7 +58,7 @@ class AttentionMetadata:
     ctx_kv_start: torch.Tensor | None  # [context rows] local visible range (sliding window)
     ctx_kv_end: torch.Tensor | None
     sliding_window: int | None
-    single_pass: SinglePass | None  # decode-only step, queries not gathered over PCP; else None
+    single_pass: SinglePass | None  # decode-only step (queries never gathered); else None
 
     @cached_property
     def prefill_real_kv_idx(self) -> torch.Tensor:
@@ -80,9 +80,10 @@ class AttentionMetadata:
 
 @dataclass(frozen=True)
 class SinglePass:
-    """A decode-only step whose queries are not gathered over PCP: the layer writes the step's
-    K/V first, then every row attends this rank's cache shard alone in one paged call (no self
-    part, no merge; under DCP the shards' partials are combined as context partials are).
+    """A decode-only step (no prefill row, so no query is gathered over PCP): the layer writes
+    the step's K/V first, then every row attends this rank's cache shard alone in one paged call
+    (no self part, no merge; under DCP, or with the cache sharded over PCP ranks, the shards'
+    partials are combined as context partials are).
     Block table and query offsets are the context ones (``ctx_block_table``,
     ``ctx_cu_seqlens``); the lengths count this rank's shard."""
 
@@ -326,8 +327,10 @@ class MetadataBuilder:
                                                      self.sharding, self.kv_rank))
         decodes_first = num_dec == 0 or decodes[-1] == num_dec - 1
         has_context = bool(step.computed.any())
+        # decode-only: no prefill rows, so no query is gathered over PCP even when the cache is
+        # sharded over PCP ranks (every rank then attends its shard; partials merged over PCP)
         one_pass = (single_pass(dec_rows, step, self.sliding_window, self.sharding, self.kv_rank)
-                    if num_dec == step.num_reqs and not ctx.over_pcp else None)
+                    if num_dec == step.num_reqs else None)
 
         return AttentionMetadata(
             decode_reqs=decodes,

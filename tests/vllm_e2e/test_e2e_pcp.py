@@ -1,9 +1,11 @@
 """PCP end to end in a real vLLM (CPU): cp_attention's PCP worker/runner vs vLLM's CPU_ATTN at pcp=1.
 
-Tiny Llamas with random weights (4 query heads, head_dim 32): ``gqa`` with 2 KV heads for PCP
-alone, ``mqa`` with 1 KV head for pcp=2 tp=2 dcp=2 (vLLM's GQA rule for DCP needs
-``tp > total KV heads``, ``vllm/config/model.py:1565``). Greedy, block size 32, prefix caching
-on, ``max_num_seqs=3``, 64 batched tokens. Six prompts make the run contain:
+Tiny Llamas with random weights (head_dim 32): ``gqa`` with 4 query / 2 KV heads and ``g93``
+with 9 query / 3 KV heads (SmolLM2's ratio), run with PCP alone (full KV on every PCP rank)
+and with dcp = pcp (KV sharded over the PCP ranks, at tp=1 and tp=2), which vLLM by itself
+refuses for these head counts (``vllm/config/model.py:1565``; the plugin's config hook lifts it
+for this layout). Greedy, block size 32, prefix caching on, ``max_num_seqs=3``, 64 batched
+tokens. Six prompts make the run contain:
 
 * P0 = a 70-token prefix X + 2 tokens: chunked (64 + 8), finishes after 2 tokens; its blocks
   stay cached;
@@ -13,7 +15,10 @@ on, ``max_num_seqs=3``, 64 batched tokens. Six prompts make the run contain:
   blocks; asserted from vLLM's ``num_cached_tokens``) and prefills 9 tokens over cached context;
 * P5: 100 tokens, prefilled in chunks next to the other requests' decodes.
 
-Every PCP run has ``CP_ATTENTION_VLLM_CHECK_TOKENS=1`` (all PCP ranks sampled the same tokens
+Under dcp = pcp each token is stored on exactly one PCP rank and decode rows attend only that
+rank's shard: the builders' ``cp_attention KV shard`` log lines must split the stored tokens
+and the decode rows' cached keys about half and half. Every PCP run has
+``CP_ATTENTION_VLLM_CHECK_TOKENS=1`` (all PCP ranks sampled the same tokens
 every step, else the run dies). Negative controls: no hidden-state restore changes tokens; a
 rank reporting a wrong token makes the check fire.
 """
@@ -47,6 +52,7 @@ MARGIN_OVER_DIFF = 10.0
 
 CHECK = {"CP_ATTENTION_VLLM_CHECK_TOKENS": "1"}
 PCP2 = ("--pcp", "2")
+DCP2 = ("--dcp", "2")
 BF16 = ("--dtype", "bfloat16")
 RUNS = {
     "gqa_cpu_attn": RunSpec(),
@@ -57,18 +63,23 @@ RUNS = {
                                     "CP_ATTENTION_VLLM_FAULT": "skip_hidden_restore"}, PCP2),
     "gqa_pcp2_bad_rank": RunSpec({**CP, **CHECK, **MULTI_WORKER,
                                   "CP_ATTENTION_VLLM_FAULT": "perturb_tokens"}, PCP2, fails=True),
-    "mqa_cpu_attn": RunSpec(model="mqa"),
-    "mqa_pcp2_tp2_dcp2": RunSpec({**CP, **CHECK, **MULTI_WORKER},
-                                 PCP2 + ("--tp", "2", "--dcp", "2"), model="mqa"),
+    "gqa_pcp2_dcp2": RunSpec({**CP, **CHECK, **MULTI_WORKER}, PCP2 + DCP2),
+    "gqa_pcp2_tp2_dcp2": RunSpec({**CP, **CHECK, **MULTI_WORKER}, PCP2 + DCP2 + ("--tp", "2")),
+    "g93_cpu_attn": RunSpec(model="g93"),
+    "g93_pcp2_dcp2": RunSpec({**CP, **CHECK, **MULTI_WORKER}, PCP2 + DCP2, model="g93"),
 }
-PAIRS = [("gqa_cpu_attn", "gqa_pcp2"), ("mqa_cpu_attn", "mqa_pcp2_tp2_dcp2")]
+PAIRS = [("gqa_cpu_attn", "gqa_pcp2"), ("gqa_cpu_attn", "gqa_pcp2_dcp2"),
+         ("gqa_cpu_attn", "gqa_pcp2_tp2_dcp2"), ("g93_cpu_attn", "g93_pcp2_dcp2")]
+KV_SHARD_LINE = re.compile(r"cp_attention KV shard (\d+)/(\d+): stored (\d+) of (\d+) new tokens, "
+                           r"decode rows attended (\d+) of (\d+) cached keys \((\d+) steps\)")
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Runs:
     root = tmp_path_factory.mktemp("vllm_e2e_pcp")
     models = {"default": make_tiny_llama(root / "gqa", num_kv_heads=2),
-              "mqa": make_tiny_llama(root / "mqa", num_kv_heads=1)}
+              "g93": make_tiny_llama(root / "g93", seed=3, num_attention_heads=9,
+                                     num_kv_heads=3, hidden_size=144)}  # seed: margins >= 0.05
     common = ["--block-size", "32", "--max-num-seqs", "3", "--max-batched", "64",
               "--logprobs", "2", "--prefix-caching", "--max-tokens", json.dumps(MAX_TOKENS),
               "--prompts", json.dumps(PROMPTS)]
@@ -96,7 +107,9 @@ def test_prefix_cache_really_hit(runs, ref, ours):
 
 
 @pytest.mark.parametrize("name, impl, kv_shard", [("gqa_pcp2", "CPAttentionImpl", "dcp"),
-                                                  ("mqa_pcp2_tp2_dcp2", "CPAttentionImpl", "cp")])
+                                                  ("gqa_pcp2_dcp2", "CPAttentionImpl", "cp"),
+                                                  ("gqa_pcp2_tp2_dcp2", "CPAttentionImpl", "cp"),
+                                                  ("g93_pcp2_dcp2", "CPAttentionImpl", "cp")])
 def test_pcp_worker_and_backend_used(runs, name, impl, kv_shard):
     log = runs.log(name)
     assert "cp_attention PCP model runner: pcp rank 0/2, token check on" in log
@@ -107,7 +120,7 @@ def test_pcp_worker_and_backend_used(runs, name, impl, kv_shard):
 
 
 def test_reference_runs_are_vllm_cpu_attn(runs):
-    for name in ("gqa_cpu_attn", "mqa_cpu_attn", "gqa_cpu_attn_bf16"):
+    for name in ("gqa_cpu_attn", "g93_cpu_attn", "gqa_cpu_attn_bf16"):
         assert "cp_attention" not in runs.log(name)
 
 
@@ -155,3 +168,32 @@ def test_token_check_fires_when_ranks_disagree(runs):
     log = runs.log("gqa_pcp2_bad_rank")
     assert re.search(r"PCPTokenMismatch: step \d+: PCP ranks 0 and 1 sampled different tokens",
                      log), log[-3000:]
+
+
+def kv_shard_totals(log: str) -> dict[int, tuple[int, ...]]:
+    """KV shard -> (stored, new tokens, decode keys attended, decode context) at the largest step
+    count every shard logged (TP ranks of one shard log the same numbers)."""
+    lines = [tuple(map(int, m)) for m in KV_SHARD_LINE.findall(log)]
+    shards = {line[0] for line in lines}
+    steps = max(s for s in {line[6] for line in lines}
+                if all((k, s) in {(x[0], x[6]) for x in lines} for k in shards))
+    return {x[0]: x[2:6] for x in lines if x[6] == steps}
+
+
+@pytest.mark.parametrize("name, world", [("gqa_pcp2", 1), ("gqa_pcp2_dcp2", 2),
+                                         ("gqa_pcp2_tp2_dcp2", 2), ("g93_pcp2_dcp2", 2)])
+def test_kv_sharded_over_pcp_and_decode_not_replicated(runs, name, world):
+    """dcp = pcp: every new token is stored on exactly one PCP rank (about half each) and the
+    decode rows of a rank attend only its shard (about half of the cached keys). PCP alone:
+    every rank stores and attends everything."""
+    totals = kv_shard_totals(runs.log(name))
+    assert sorted(totals) == list(range(world)), totals
+    stored, tokens_, keys, context = (sum(t[i] for t in totals.values()) for i in range(4))
+    per_shard = {k: (t[0] / t[1], t[2] / t[3]) for k, t in totals.items()}
+    print(f"{name}: KV stored / attended by decode rows per shard {per_shard}")
+    assert context > 0 and all(t[1] == totals[0][1] and t[3] == totals[0][3]
+                               for t in totals.values())
+    assert stored == totals[0][1] and keys == totals[0][3]  # each token, each key once
+    for stored_frac, keys_frac in per_shard.values():
+        assert abs(stored_frac - 1 / world) <= 0.1 / world, per_shard
+        assert abs(keys_frac - 1 / world) <= 0.1 / world, per_shard

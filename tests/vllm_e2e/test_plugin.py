@@ -86,13 +86,14 @@ def test_core_package_never_imports_vllm():
 @pytest.fixture
 def clean_registry(monkeypatch):
     import vllm.utils.cpu_triton_utils as cpu_tl
-    from vllm.config import VllmConfig
+    from vllm.config import ModelConfig, VllmConfig
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    def unhook():  # undo the PCP config hook of an earlier register()
-        method = VllmConfig._get_v1_model_runner_unsupported_features
-        VllmConfig._get_v1_model_runner_unsupported_features = getattr(method, "__wrapped__",
-                                                                       method)
+    def unhook():  # undo the PCP config hooks of an earlier register()
+        for cls, name in ((VllmConfig, "_get_v1_model_runner_unsupported_features"),
+                          (ModelConfig, "verify_with_parallel_config")):
+            method = getattr(cls, name)
+            setattr(cls, name, getattr(method, "__wrapped__", method))
 
     original = cpu_tl._compute_slot_mapping_kernel_impl
     AttentionBackendEnum.CPU_ATTN.clear_override()
@@ -260,6 +261,70 @@ def test_plugin_refuses_unsupported_pcp_combinations(tmp_path, pcp_plugin, kwarg
     with pytest.raises(ValueError) as err:
         _engine_config(make_tiny_llama_dir(tmp_path), prefill_context_parallel_size=2, **kwargs)
     assert flag in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (9, 3), (4, 4)])
+def test_vllm_refuses_dcp_for_gqa_without_plugin(tmp_path, clean_registry, monkeypatch, heads,
+                                                 kv_heads):
+    """vLLM's own rule (vllm/config/model.py:1566): DCP on a GQA model needs tp > KV heads."""
+    from tiny_model import make_tiny_llama
+
+    monkeypatch.delenv(plugin.ENV_ENABLE, raising=False)
+    model = make_tiny_llama(tmp_path / "m", num_kv_heads=kv_heads, num_attention_heads=heads,
+                            hidden_size=16 * heads)  # HF: hidden a multiple of the heads
+    with pytest.raises(ValueError, match="requires `--tensor-parallel-size`"):
+        _engine_config(model, prefill_context_parallel_size=2, decode_context_parallel_size=2)
+
+
+@pytest.mark.parametrize("heads, kv_heads, tp", [(4, 2, 1), (9, 3, 1), (4, 4, 1), (4, 2, 2),
+                                                 (4, 1, 2)])
+def test_plugin_runs_dcp_over_pcp_for_any_kv_heads(tmp_path, pcp_plugin, heads, kv_heads, tp):
+    """pcp = dcp = 2 (KV sharded over the PCP ranks) is accepted for any KV-head count, with
+    the PCP worker and our kv_shard="cp" mapping; the DCP value vLLM sees is kept."""
+    from tiny_model import make_tiny_llama
+
+    from cp_attention.integrations.vllm.config_hook import PCP_WORKER
+
+    model = make_tiny_llama(tmp_path / "m", num_kv_heads=kv_heads, num_attention_heads=heads,
+                            hidden_size=16 * heads)  # HF: hidden a multiple of the heads
+    config = _engine_config(model, prefill_context_parallel_size=2,
+                            decode_context_parallel_size=2, tensor_parallel_size=tp)
+    pc = config.parallel_config
+    assert (pc.prefill_context_parallel_size, pc.decode_context_parallel_size) == (2, 2)
+    assert pc.worker_cls == PCP_WORKER
+    ours = cp_config_from_vllm(pc, config.cache_config.block_size)
+    assert (ours.pcp_size, ours.dcp_size, ours.tp_size, ours.kv_shard, ours.kv_world) == (
+        2, 1, tp, "cp", 2)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    # DCP over TP ranks (pcp = 1) still needs tp > KV heads: vLLM's refusal, plus our hint
+    ({"tensor_parallel_size": 2, "decode_context_parallel_size": 2},
+     "--prefill-context-parallel-size 2 --decode-context-parallel-size 2 shards the KV"),
+    # DCP over TP x PCP: vLLM's GQA rule, then ours (dcp = 1 or pcp only)
+    ({"tensor_parallel_size": 2, "prefill_context_parallel_size": 2,
+      "decode_context_parallel_size": 4}, "requires `--tensor-parallel-size` (2)"),
+    # dcp not in (1, pcp, tp * pcp): vLLM's ParallelConfig refuses it before any hook
+    ({"prefill_context_parallel_size": 2, "decode_context_parallel_size": 3},
+     "valid DCP sizes are"),
+])
+def test_plugin_keeps_refusing_dcp_layouts_it_cannot_run(tmp_path, pcp_plugin, kwargs, message):
+    with pytest.raises(ValueError) as err:
+        _engine_config(make_tiny_llama_dir(tmp_path), **kwargs)
+    assert message in str(err.value), str(err.value)
+
+
+def test_dcp_hook_leaves_parallel_config_and_is_idempotent(tmp_path, pcp_plugin):
+    from vllm.config import ModelConfig
+
+    from cp_attention.integrations.vllm.config_hook import install_pcp_config_hook
+
+    hooked = ModelConfig.verify_with_parallel_config
+    assert not install_pcp_config_hook() and ModelConfig.verify_with_parallel_config is hooked
+    config = _engine_config(make_tiny_llama_dir(tmp_path), prefill_context_parallel_size=2,
+                            decode_context_parallel_size=2)
+    config.model_config.verify_with_parallel_config(config.parallel_config)  # again: no error
+    assert config.parallel_config.decode_context_parallel_size == 2
 
 
 def test_pcp_refusal_list_covers_multimodal_and_mla():

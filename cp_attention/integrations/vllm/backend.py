@@ -35,6 +35,7 @@ from cp_attention.integrations.vllm.adapter import (check_slot_mapping, cp_confi
                                                     expected_vllm_dcp_rank, row_order,
                                                     step_from_vllm)
 from cp_attention.metadata.builder import AttentionMetadata
+from cp_attention.metadata.common import StepSpec
 from cp_attention.parallel import CPGroups
 
 log = logging.getLogger(LOGGER_NAME)
@@ -123,6 +124,26 @@ class CPVllmBackend(AttentionBackend):
 
 
 @dataclass
+class KVShardStats:
+    """What this rank stored and what its decode rows attended, summed over the steps built."""
+
+    steps: int = 0
+    tokens_stored: int = 0  # new tokens written to this rank's cache
+    tokens: int = 0  # new tokens of the steps (every rank's)
+    decode_keys: int = 0  # cached keys the decode rows attend on this rank
+    decode_context: int = 0  # the decode requests' cached tokens (all shards)
+
+    def add(self, meta: AttentionMetadata, step: StepSpec, num_tokens: int) -> bool:
+        """Count one step; True on steps 1, 2, 4, 8, ... (when to log)."""
+        self.steps += 1
+        self.tokens_stored += int((meta.step_slot_mapping >= 0).sum())
+        self.tokens += num_tokens
+        self.decode_keys += int(meta.ctx_seq_lens[:meta.num_decodes].sum())
+        self.decode_context += int(step.computed[meta.decode_reqs].sum())
+        return self.steps & (self.steps - 1) == 0
+
+
+@dataclass
 class CPVllmMetadata:
     """Our per-rank metadata plus what the impl needs to map rows back to vLLM's order."""
 
@@ -152,6 +173,7 @@ class CPVllmMetadataBuilder(AttentionMetadataBuilder[CPVllmMetadata]):
             self.config, vllm_ranks(self.config),
             sliding_window=getattr(kv_cache_spec, "sliding_window", None))
         self._reorder_seen = False
+        self.kv_stats = KVShardStats()
         log.info("cp_attention metadata builder: %s, ranks %s, layers %d", self.config,
                  self.inner.ranks, len(layer_names))
 
@@ -163,6 +185,12 @@ class CPVllmMetadataBuilder(AttentionMetadataBuilder[CPVllmMetadata]):
         meta = self.inner.build(vstep.step)
         check_slot_mapping(meta, cm.slot_mapping, vstep.num_tokens, vstep.step,
                            where=f"[rank {self.inner.ranks}] ")
+        stats = self.kv_stats
+        if stats.add(meta, vstep.step, vstep.num_tokens):
+            log.info("cp_attention KV shard %d/%d: stored %d of %d new tokens, decode rows "
+                     "attended %d of %d cached keys (%d steps)", self.inner.kv_rank,
+                     self.config.kv_world, stats.tokens_stored, stats.tokens, stats.decode_keys,
+                     stats.decode_context, stats.steps)
         rows = row_order(meta, vstep.num_tokens) if self.config.pcp_size == 1 else None
         log.debug("cp_attention step: computed %s new %s reordered %s",
                   vstep.step.num_computed_tokens, vstep.step.num_scheduled_tokens, rows is not None)

@@ -1,4 +1,4 @@
-"""Start-up hook for PCP: lift vLLM's V1-runner refusal, refuse what we cannot run, pick our worker.
+"""Start-up hooks for PCP: lift vLLM's refusals of what cp_attention runs, refuse the rest.
 
 vLLM 0.32 refuses ``--prefill-context-parallel-size > 1`` on the V1 model runner while it
 builds ``VllmConfig``: ``_validate_v1_model_runner`` (``vllm/config/vllm.py:3198-3203``, called
@@ -10,6 +10,15 @@ instead of producing a wrong answer. When nothing is left it selects the PCP wor
 (``parallel_config.worker_cls``, which the CPU platform set to its ``CPUWorker`` just before,
 ``vllm/platforms/cpu.py:343``, ``vllm/config/vllm.py:1991``).
 
+vLLM's DCP rules for GQA/MQA models (``ModelConfig.verify_with_parallel_config``,
+``vllm/config/model.py:1565-1593``: ``tp > total KV heads``, ``dcp <= tp // KV heads``,
+``(heads / KV heads) % dcp == 0``) exist because vLLM shards the KV over TP ranks that hold
+duplicate KV heads. With ``--prefill-context-parallel-size P --decode-context-parallel-size P``
+cp_attention shards the KV over the PCP ranks instead (``kv_shard="cp"``, every rank keeps its
+TP slice of the KV heads), which works for any head count; the hook checks the model against
+vLLM's other parallel rules with dcp = 1 for that layout only. Every other DCP layout keeps
+vLLM's refusal, with a pointer to the one that runs.
+
 Imports vLLM only inside :func:`install_pcp_config_hook`, called by :func:`cp_attention.integrations.vllm.register`.
 """
 from __future__ import annotations
@@ -17,7 +26,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # vLLM is imported lazily, inside install_pcp_config_hook
-    from vllm.config import VllmConfig
+    from vllm.config import ModelConfig, ParallelConfig, VllmConfig
 
 from cp_attention.integrations.vllm.adapter import UnsupportedLayout, cp_config_from_vllm
 
@@ -25,6 +34,12 @@ VLLM_PCP_FEATURE = "prefill context parallel"  # vLLM's entry (vllm/config/vllm.
 VLLM_CPU_WORKER = "vllm.v1.worker.cpu_worker.CPUWorker"
 PCP_WORKER = "cp_attention.integrations.vllm.worker.PCPCPUWorker"
 _MARK = "_cp_attention_pcp_hook"
+
+
+def kv_sharded_over_pcp(parallel_config: ParallelConfig) -> bool:
+    """vLLM pcp = P > 1 with dcp = P: the layout cp_attention runs with the KV over PCP ranks."""
+    pcp = parallel_config.prefill_context_parallel_size
+    return pcp > 1 and parallel_config.decode_context_parallel_size == pcp
 
 
 def pcp_unsupported(vllm_config: VllmConfig) -> list[str]:
@@ -61,15 +76,12 @@ def pcp_unsupported(vllm_config: VllmConfig) -> list[str]:
 
 
 def install_pcp_config_hook() -> bool:
-    """Wrap ``VllmConfig._get_v1_model_runner_unsupported_features`` (idempotent)."""
-    from vllm.config import VllmConfig
-
-    original = VllmConfig._get_v1_model_runner_unsupported_features
-    if getattr(original, _MARK, False):
-        return False
+    """Wrap ``VllmConfig._get_v1_model_runner_unsupported_features`` and
+    ``ModelConfig.verify_with_parallel_config`` (idempotent; True if it installed either)."""
+    from vllm.config import ModelConfig, VllmConfig
 
     def unsupported_features(self: VllmConfig) -> list[str]:
-        found = original(self)
+        found = unsupported_features.__wrapped__(self)
         if self.parallel_config.prefill_context_parallel_size <= 1:
             return found
         found = [f for f in found if f != VLLM_PCP_FEATURE] + pcp_unsupported(self)
@@ -77,7 +89,38 @@ def install_pcp_config_hook() -> bool:
             self.parallel_config.worker_cls = PCP_WORKER
         return found
 
-    setattr(unsupported_features, _MARK, True)
-    unsupported_features.__wrapped__ = original  # type: ignore[attr-defined]
-    VllmConfig._get_v1_model_runner_unsupported_features = unsupported_features
+    def verify_with_parallel_config(self: ModelConfig, parallel_config: ParallelConfig) -> None:
+        verify = verify_with_parallel_config.__wrapped__
+        dcp = parallel_config.decode_context_parallel_size
+        if dcp > 1 and not self.use_mla and kv_sharded_over_pcp(parallel_config):
+            parallel_config.decode_context_parallel_size = 1  # only the DCP-over-TP rules read it
+            try:
+                return verify(self, parallel_config)
+            finally:
+                parallel_config.decode_context_parallel_size = dcp
+        try:
+            return verify(self, parallel_config)
+        except ValueError as err:
+            if dcp > 1 and "decode-context-parallel-size" in str(err):
+                raise ValueError(f"{err} With cp_attention (CP_ATTENTION_VLLM=1), "
+                                 f"--prefill-context-parallel-size {dcp} "
+                                 f"--decode-context-parallel-size {dcp} shards the KV over the "
+                                 "PCP ranks for any KV-head count.") from err
+            raise
+
+    installed = _wrap(VllmConfig, "_get_v1_model_runner_unsupported_features",
+                      unsupported_features)
+    installed |= _wrap(ModelConfig, "verify_with_parallel_config", verify_with_parallel_config)
+    return installed
+
+
+def _wrap(cls: type, name: str, wrapper) -> bool:
+    """Install ``wrapper`` as ``cls.name`` (marked, ``__wrapped__`` = the method it replaces)
+    unless a marked wrapper is there already; True if it installed."""
+    original = getattr(cls, name)
+    if getattr(original, _MARK, False):
+        return False
+    setattr(wrapper, _MARK, True)
+    wrapper.__wrapped__ = original
+    setattr(cls, name, wrapper)
     return True
