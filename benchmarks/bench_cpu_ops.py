@@ -463,6 +463,59 @@ def _plot_matrix(payload: dict, out_dir: str | Path) -> None:
     save_figure(fig, out_dir, MATRIX_NAME)
 
 
+def matrix_markdown(payload: dict) -> str:
+    """docs/performance.md tables of a matrix run: decode ours/vLLM per (heads, D, dtype) x
+    (B, context) as "random / sequential blocks", prefill ours/vLLM and ours/SDPA per S, then
+    the worst row of each goal."""
+    key = "ours_over_vllm" if payload["vllm_available"] else "ours_over_sdpa"
+    rows = payload["rows"]
+
+    def shape(r: dict) -> tuple:
+        return r["q_heads"], r["kv_heads"], r["head_size"], r["dtype"]
+
+    def size(n: int) -> str:
+        return f"{n // 1024}k" if n >= 1024 else str(n)
+
+    lines = []
+    decode = [r for r in rows if r["kind"] == "decode"]
+    cols = sorted({(r["batch"], r["context"]) for r in decode})
+    lines.append("| decode " + key.replace("_", " ") + " | " + " | ".join(
+        f"B={b} {size(c)}" for b, c in cols) + " |")
+    lines.append("|---" * (len(cols) + 1) + "|")
+    for sh in sorted({shape(r) for r in decode}):
+        cells = []
+        for b, c in cols:
+            got = {r["sequential_blocks"]: r[key] for r in decode
+                   if shape(r) == sh and (r["batch"], r["context"]) == (b, c)}
+            cells.append(" / ".join(f"{got[s]:.2f}" for s in (False, True) if s in got) or "skip")
+        lines.append(f"| {sh[0]}/{sh[1]} D={sh[2]} {sh[3]} | " + " | ".join(cells) + " |")
+    prefill = [r for r in rows if r["kind"] == "prefill"]
+    sizes = sorted({r["context"] for r in prefill})
+    lines += ["", "| prefill: ours/vLLM, ours/SDPA | " + " | ".join(
+        f"S={size(n)}" for n in sizes) + " |", "|---" * (len(sizes) + 1) + "|"]
+    for sh in sorted({shape(r) for r in prefill}):
+        cells = []
+        for size in sizes:
+            got = [r for r in prefill if shape(r) == sh and r["context"] == size]
+            cells.append(f"{got[0].get('ours_over_vllm', float('nan')):.2f}, "
+                         f"{got[0]['ours_over_sdpa']:.2f}" if got else "skip")
+        lines.append(f"| {sh[0]}/{sh[1]} D={sh[2]} {sh[3]} | " + " | ".join(cells) + " |")
+
+    def worst(items: list[dict], field: str, high: bool = True) -> str:
+        if not items:
+            return "none"
+        r = (max if high else min)(items, key=lambda x: x[field])
+        return (f"{r[field]:.2f} ({r['kind']} B={r['batch']} {r['context']} {r['q_heads']}/"
+                f"{r['kv_heads']} D={r['head_size']} {r['dtype']}"
+                f"{' seq' if r.get('sequential_blocks') else ''})")
+
+    lines += ["", f"Worst rows: {key.replace('_', ' ')} {worst(rows, key)}; prefill ours/SDPA "
+              f"{worst(prefill, 'ours_over_sdpa')}; decode fraction of roof "
+              f"{worst(decode, 'ours_fraction_of_roof', high=False)}. "
+              f"{len(payload['skipped'])} rows skipped (sizes in the JSON)."]
+    return "\n".join(lines)
+
+
 def _matrix_args(parser) -> None:
     parser.add_argument("--matrix", action="store_true", help="the issue-18 shape matrix")
     parser.add_argument("--max-kv-gib", type=float, default=1.0,
@@ -478,6 +531,7 @@ def main(argv: list[str] | None = None) -> None:
                              max_prefill_tflop=args.max_prefill_tflop)
         print(f"{payload['cpu']}: {len(payload['rows'])} rows in {payload['run_s']:.0f} s, "
               f"{len(payload['skipped'])} skipped")
+        print(matrix_markdown(payload))
         return
     payload = run(args.out, args.quick)
     print(f"memory read bandwidth: {payload['memory_read_bandwidth_gbs']:.1f} GB/s, fp32 matmul "

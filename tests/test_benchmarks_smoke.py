@@ -152,3 +152,5 @@ def test_cpu_ops_matrix(out):
         assert r["ours_ms"] > 0 and 0 < r["ours_fraction_of_roof"]
         if r["kind"] == "decode":  # ours is the worse of the two cache layouts
             assert r["ours_ms"] == max(r["ours_packed_ms"], r["ours_own_layout_ms"])
+    table = bench_cpu_ops.matrix_markdown(data)
+    assert "Worst rows" in table and table.count("\n| ") >= 3
