@@ -29,20 +29,24 @@ class RunSpec:
 
 
 class Runs:
-    """Runs each configuration once (lazily) and keeps its parsed result and log."""
+    """Runs each configuration once (lazily) and keeps its parsed result(s) and log.
+
+    A run with ``--dtype float32,bfloat16`` prints one result per dtype; ``get(name, dtype)``
+    picks one (without ``dtype``: the last).
+    """
 
     def __init__(self, models: dict[str, Path], workdir: Path, specs: dict[str, RunSpec],
                  common_args: list[str]) -> None:
         self.models, self.workdir, self.specs = models, workdir, specs
         self.common_args = common_args
-        self.results: dict[str, dict] = {}
+        self.results: dict[str, dict[str | None, dict]] = {}
         self.logs: dict[str, str] = {}
         self.returncodes: dict[str, int] = {}
 
-    def get(self, name: str) -> dict:
+    def get(self, name: str, dtype: str | None = None) -> dict:
         if name not in self.logs:
             self._run(name)
-        return self.results[name]
+        return self.results[name][dtype]
 
     def log(self, name: str) -> str:
         if name not in self.logs:
@@ -67,16 +71,17 @@ class Runs:
         self.logs[name], self.returncodes[name] = log, proc.returncode
         if spec.fails:
             assert proc.returncode != 0, f"{name} was expected to fail but exited 0"
-            self.results[name] = {}
+            self.results[name] = {None: {}}
             return
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
         assert proc.returncode == 0 and lines, (
             f"{name} failed (rc {proc.returncode}); log tail:\n{log[-4000:]}")
-        result = json.loads(lines[-1][len(RESULT_PREFIX):])
-        result["wall_s"] = round(time.time() - start, 1)
-        print(f"\n[vllm e2e] {name}: wall {result['wall_s']} s (init {result['init_s']} s, "
-              f"generate {result['generate_s']} s)")
-        self.results[name] = result
+        parsed = [json.loads(ln[len(RESULT_PREFIX):]) for ln in lines]
+        wall = round(time.time() - start, 1)
+        print(f"\n[vllm e2e] {name}: wall {wall} s (" + ", ".join(
+            f"{r['dtype']}: init {r['init_s']} s, generate {r['generate_s']} s" for r in parsed)
+            + ")")
+        self.results[name] = {None: parsed[-1], **{r["dtype"]: r for r in parsed}}
 
 
 def tokens(result: dict) -> list[list[int]]:

@@ -1,9 +1,9 @@
-"""Run one offline vLLM generation and print the result as one JSON line (used in a subprocess).
+"""Run offline vLLM generation and print the result as one JSON line per dtype (in a subprocess).
 
 Usage: python run_llm.py MODEL_DIR [--tp N] [--dcp N] [--pcp N] [--interleave I] [--block-size B]
        [--max-tokens N|JSON] [--max-num-seqs N] [--max-batched N] [--logprobs K]
-       [--prompt-logprobs K] [--dtype float32|bfloat16] [--dcp-comm-backend ag_rs|a2a]
-       [--prefix-caching] [--no-eager] --prompts JSON
+       [--prompt-logprobs K] [--dtype float32|bfloat16|float32,bfloat16] [--dcp-comm-backend ag_rs|a2a]
+       [--prefix-caching] [--no-eager] --prompts JSON|@FILE
 The attention backend is chosen by the environment (CP_ATTENTION_VLLM=1: cp_attention).
 """
 from __future__ import annotations
@@ -12,7 +12,6 @@ import argparse
 import json
 import os
 import time
-from pathlib import Path
 
 RESULT_PREFIX = "CP_E2E_RESULT "
 
@@ -29,21 +28,24 @@ def main() -> None:
     p.add_argument("--max-batched", type=int, default=256)
     p.add_argument("--logprobs", type=int, default=2)
     p.add_argument("--pcp", type=int, default=1)
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="float32",
+                   help="one dtype, or several comma-separated: one engine after the other in "
+                        "this process, one result line each")
     p.add_argument("--dcp-comm-backend", default=None, choices=["ag_rs", "a2a"])
     p.add_argument("--prefix-caching", action="store_true")
     p.add_argument("--prompt-logprobs", type=int, default=None)
     p.add_argument("--no-eager", action="store_true", help="leave enforce_eager off")
     p.add_argument("--max-model-len", type=int, default=256)
     p.add_argument("--prompts", required=True,
-                   help="JSON list of token-id lists, or @file holding it")
+                   help="JSON list of token-id lists, or @FILE holding it (long prompts)")
     a = p.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
     from vllm import LLM, SamplingParams
+    from vllm.distributed import cleanup_dist_env_and_memory
 
     kwargs = dict(model=a.model, load_format="safetensors", skip_tokenizer_init=True,
-                  dtype=a.dtype, seed=0, max_model_len=a.max_model_len,
+                  seed=0, max_model_len=a.max_model_len,
                   max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_batched,
                   block_size=a.block_size, tensor_parallel_size=a.tp,
                   enforce_eager=not a.no_eager, enable_prefix_caching=a.prefix_caching)
@@ -55,10 +57,7 @@ def main() -> None:
         kwargs["dcp_comm_backend"] = a.dcp_comm_backend
     if a.tp * a.pcp > 1:
         kwargs["distributed_executor_backend"] = "mp"
-    t0 = time.time()
-    llm = LLM(**kwargs)
-    t1 = time.time()
-    text = Path(a.prompts[1:]).read_text() if a.prompts.startswith("@") else a.prompts
+    text = open(a.prompts[1:]).read() if a.prompts.startswith("@") else a.prompts
     prompts = [{"prompt_token_ids": ids} for ids in json.loads(text)]
     max_tokens = json.loads(a.max_tokens)
     if isinstance(max_tokens, int):
@@ -66,27 +65,38 @@ def main() -> None:
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False,
                              logprobs=a.logprobs, prompt_logprobs=a.prompt_logprobs)
               for n in max_tokens]
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    t2 = time.time()
-    result = {"init_s": round(t1 - t0, 2), "generate_s": round(t2 - t1, 2), "requests": []}
-    for out in outputs:
-        comp = out.outputs[0]
-        steps = []
-        for token, top in zip(comp.token_ids, comp.logprobs):
-            ranked = sorted(top.items(), key=lambda kv: kv[1].rank)[:a.logprobs]
-            steps.append({"token": int(token), "logprob": float(top[token].logprob),
-                          "rank": int(top[token].rank),
-                          "top": [[int(t), float(lp.logprob)] for t, lp in ranked]})
-        prompt_lps = None
-        if out.prompt_logprobs is not None:  # first entry is None (no logprob for token 0)
-            prompt_lps = [None if top is None else
-                          {str(t): float(lp.logprob) for t, lp in top.items()}
-                          for top in out.prompt_logprobs]
-        result["requests"].append({"prompt_len": len(out.prompt_token_ids),
-                                   "token_ids": [int(t) for t in comp.token_ids], "steps": steps,
-                                   "num_cached_tokens": int(out.num_cached_tokens or 0),
-                                   "prompt_logprobs": prompt_lps})
-    print(RESULT_PREFIX + json.dumps(result), flush=True)
+    dtypes = a.dtype.split(",")
+    for i, dtype in enumerate(dtypes):
+        if i:  # shut the previous engine (and its workers) down, reset vLLM's distributed state
+            llm.llm_engine.engine_core.shutdown()
+            llm = None
+            cleanup_dist_env_and_memory()
+        t0 = time.time()
+        llm = LLM(**kwargs, dtype=dtype)
+        t1 = time.time()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        t2 = time.time()
+        result = {"dtype": dtype, "init_s": round(t1 - t0, 2), "generate_s": round(t2 - t1, 2),
+                  "requests": [_request(out, a.logprobs) for out in outputs]}
+        print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+def _request(out, logprobs: int) -> dict:
+    """One ``RequestOutput`` as JSON: tokens, top-``logprobs`` per step, cached tokens."""
+    comp = out.outputs[0]
+    steps = []
+    for token, top in zip(comp.token_ids, comp.logprobs):
+        ranked = sorted(top.items(), key=lambda kv: kv[1].rank)[:logprobs]
+        steps.append({"token": int(token), "logprob": float(top[token].logprob),
+                      "rank": int(top[token].rank),
+                      "top": [[int(t), float(lp.logprob)] for t, lp in ranked]})
+    prompt_lps = None
+    if out.prompt_logprobs is not None:  # first entry is None (no logprob for token 0)
+        prompt_lps = [None if top is None else {str(t): float(lp.logprob) for t, lp in top.items()}
+                      for top in out.prompt_logprobs]
+    return {"prompt_len": len(out.prompt_token_ids),
+            "token_ids": [int(t) for t in comp.token_ids], "steps": steps,
+            "num_cached_tokens": int(out.num_cached_tokens or 0), "prompt_logprobs": prompt_lps}
 
 
 if __name__ == "__main__":
