@@ -38,7 +38,7 @@ import torch
 from benchmarks.common import REPO_ROOT, write_json
 from cp_attention.backend import CPAttentionBackend
 from cp_attention.config import CPConfig
-from cp_attention.impl import exchange, pcp_prefill
+from cp_attention.impl import pcp as pcp_impl
 from cp_attention.metadata.common import StepSpec
 from cp_attention.metadata.kv_layout import KVSharding
 from cp_attention.testing.pool import RankPool
@@ -96,12 +96,12 @@ def layer_task(rank: int, get_groups, tokens: int, variant: str) -> dict:
     cfg = CPConfig(pcp_size=2, block_size=128)
     groups = get_groups(cfg)
     if variant == "before":
-        pcp_prefill.chunk_attention = _gathering_chunk_attention
+        pcp_impl.chunk_attention = _gathering_chunk_attention
     impl, meta, q, k, v, cache, out = _layer(groups, cfg, 256, rank)
     impl.forward(None, q, k, v, cache, meta, output=out)  # warm-up
     impl, meta, q, k, v, cache, out = _layer(groups, cfg, tokens, rank)
     owned = {_storage(k), _storage(v)}  # the layer's own inputs: views of them are no copies
-    wait = exchange.StepKV.wait
+    wait = pcp_impl.StepKV.wait
 
     def recording_wait(pending):
         step_k, step_v = wait(pending)
@@ -125,7 +125,7 @@ def layer_task(rank: int, get_groups, tokens: int, variant: str) -> dict:
         stage(f"{kind} varlen_attention")
         return result
 
-    exchange.StepKV.wait = recording_wait
+    pcp_impl.StepKV.wait = recording_wait
     impl.ops.varlen_attention = recording_varlen
     try:
         Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
@@ -136,7 +136,7 @@ def layer_task(rank: int, get_groups, tokens: int, variant: str) -> dict:
         seconds = time.perf_counter() - start
         peak = _status_kib("VmHWM")
     finally:
-        exchange.StepKV.wait = wait
+        pcp_impl.StepKV.wait = wait
     return {"rank": rank, "variant": variant, "local_rows": meta.num_actual_tokens,
             "kv_bytes_materialized": copied, "peak_extra_bytes": (peak - rss_before) * 1024,
             "stages": stages,

@@ -30,11 +30,10 @@ class CPConfig:
     World layout (as vLLM): ``world = pcp_size * tp_size``, ``rank = pcp_rank * tp_size + tp_rank``;
     DCP groups are ``dcp_size`` consecutive ranks of a TP group (``dcp_rank = tp_rank % dcp_size``).
 
-    The KV group: the ranks that shard one request's KV cache (``kv_world`` of them, this
-    rank's shard ``kv_rank``; vLLM calls it its DCP group). kv_shard picks it: "cp" all
-    ``pcp*dcp`` ranks of the CP group, "dcp" the DCP group only (every PCP rank keeping the
-    whole sequence of its shard). "DCP" here always means our DCP group, the ``dcp_size`` TP
-    ranks that share a KV head and split its query heads.
+    The KV group: the ranks that shard one request's KV (``kv_world``, shard ``kv_rank``;
+    vLLM's DCP group). kv_shard picks it: "cp" all ``pcp*dcp`` ranks, "dcp" the DCP group only
+    (every PCP rank keeping the whole sequence of its shard). Our DCP group: the ``dcp_size``
+    TP ranks that share a KV head and split its query heads.
     decode_threshold: a request with context and at most this many new tokens is a decode
     (1 + number of speculative tokens).
     """

@@ -1,12 +1,9 @@
-"""The attention impl of one layer: the forward as explicit steps, any group sizes.
+"""The attention impl of one layer: the forward as explicit steps, for any group sizes.
 
-Each query row gets (a) attention over the step's own new tokens (causal, bottom-right) and
-(b) attention over the request's cached context; the two partials merge by LSE. The forward
-runs, in this order: gather K/V (PCP), self part, write cache, context part (queries gathered
-over PCP / DCP), combine (DCP, then PCP), merge. Every collective
-(:mod:`cp_attention.impl.exchange`) is a no-op for a group of one; the PCP head/tail self part
-is :mod:`cp_attention.impl.pcp_prefill`. :class:`~cp_attention.impl.cp.CPAttentionImpl` only
-adds the CP constructor checks.
+Each query row gets attention over the step's own new tokens (self part, causal, bottom-right)
+and over its request's cached context (context part), merged by LSE. The steps call
+:mod:`~cp_attention.impl.pcp` (gather K/V, PCP self part) then
+:mod:`~cp_attention.impl.context` (query gather, combines), each a no-op for a group of one.
 """
 from __future__ import annotations
 
@@ -15,9 +12,9 @@ import torch
 from cp_attention.comm import Communicator
 from cp_attention.config import debug_checks_from_env
 from cp_attention.impl.checks import check_forward_call, check_forward_values
-from cp_attention.impl.exchange import (StepKV, combine_dcp_a2a, combine_dcp_ag_rs,
-                                        combine_pcp_a2a, gather_context_queries, gather_step_kv)
-from cp_attention.impl.pcp_prefill import pcp_prefill_attention
+from cp_attention.impl.context import (combine_dcp_a2a, combine_dcp_ag_rs, combine_pcp_a2a,
+                                       gather_context_queries)
+from cp_attention.impl.pcp import StepKV, gather_step_kv, pcp_prefill_attention
 from cp_attention.metadata.builder import AttentionMetadata
 from cp_attention.ops import AttentionOps, get_ops
 
@@ -27,8 +24,6 @@ ATTN_TYPES = ("decoder", "encoder_only", "encoder", "encoder_decoder")
 class BaseAttentionImpl:
     """Attention of one layer on one rank. Shapes: q [T, Hq, D], k/v [T, Hkv, D] (or flat)."""
 
-    supports_pcp = False
-    supports_dcp = False
     dcp_comm_backend = "ag_rs"  # how DCP partials are combined (CPAttentionImpl's argument)
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
@@ -62,6 +57,9 @@ class BaseAttentionImpl:
         self.debug = debug_checks_from_env() if debug is None else debug
         self.ops = ops if ops is not None else get_ops(groups.device if groups is not None else "cpu")
         self.comm = Communicator()
+        # the groups the collectives run over; None (one rank) makes each a no-op
+        self.pcp_group, self.dcp_group = ((groups.pcp_group, groups.dcp_group)
+                                          if groups is not None else (None, None))
 
     # -- forward -------------------------------------------------------------------------
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -99,9 +97,8 @@ class BaseAttentionImpl:
 
     def _attention(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         """The general plan: out [rows, Hq, D] of the local rows q [rows, Hq, D]."""
-        pcp_group, dcp_group = self._groups("pcp_group"), self._groups("dcp_group")
         # 1. gather K/V: the step's prefill rows of every PCP rank (in flight during 2)
-        step_kv = gather_step_kv(self.comm, k, v, meta, pcp_group)
+        step_kv = gather_step_kv(self.comm, k, v, meta, self.pcp_group)
         # 2. self part: every local row over the step's own new tokens
         out, lse = self._self_part(q, k, v, step_kv, meta)
         if self.attn_type != "decoder":  # encoder-only: no cache, no context (checked)
@@ -113,7 +110,7 @@ class BaseAttentionImpl:
         if not meta.has_context:
             return out
         # 4. context part: the context rows' queries over this rank's KV shard
-        ctx_q = gather_context_queries(self.comm, q, meta, pcp_group, dcp_group)
+        ctx_q = gather_context_queries(self.comm, q, meta, self.pcp_group, self.dcp_group)
         ctx_out, ctx_lse = self.ops.paged_attention(
             ctx_q, key_cache, value_cache, meta.ctx_block_table, meta.ctx_cu_seqlens,
             meta.ctx_seq_lens, scale=self.scale, kv_start=meta.ctx_kv_start,
@@ -129,10 +126,9 @@ class BaseAttentionImpl:
         out [rows, Hq, D]."""
         key_cache, value_cache = kv_cache.unbind(0)
         plan = meta.single_pass
+        ctx_q = gather_context_queries(self.comm, q, meta, self.pcp_group, self.dcp_group)
         out, lse = self.ops.cache_and_paged_attention(
-            gather_context_queries(self.comm, q, meta, self._groups("pcp_group"),
-                                   self._groups("dcp_group")), k, v,
-            key_cache, value_cache, meta.step_slot_mapping, meta.ctx_block_table,
+            ctx_q, k, v, key_cache, value_cache, meta.step_slot_mapping, meta.ctx_block_table,
             meta.ctx_cu_seqlens, plan.seq_lens, scale=self.scale, kv_start=plan.kv_start,
             kv_end=plan.kv_end)
         return self._combine_context(out, lse, meta)[0]
@@ -140,27 +136,24 @@ class BaseAttentionImpl:
     def _self_part(self, q, k, v, step_kv: StepKV, meta: AttentionMetadata):
         """(out, lse) of every local row over the step's own new tokens: decode rows over
         their own, prefill rows (PCP: head and tail chunks) over their prefill's."""
-        nd, rows = meta.num_decode_tokens, q.shape[0]
-        if nd == rows:
-            return self._varlen(q, k, v, meta.decode_cu_seqlens)
-        if nd == 0:
-            return self._prefill_self_part(q, k, v, step_kv, meta)
-        dec_out, dec_lse = self._varlen(q[:nd], k[:nd], v[:nd], meta.decode_cu_seqlens)
-        pre_out, pre_lse = self._prefill_self_part(q, k, v, step_kv, meta)
-        return torch.cat([dec_out, pre_out]), torch.cat([dec_lse, pre_lse])
-
-    def _prefill_self_part(self, q, k, v, step_kv: StepKV, meta: AttentionMetadata):
         nd = meta.num_decode_tokens
+        if nd == q.shape[0]:
+            return self._varlen(q, k, v, meta.decode_cu_seqlens)
+        dec = self._varlen(q[:nd], k[:nd], v[:nd], meta.decode_cu_seqlens) if nd else None
+        q_pre, k_pre, v_pre = q[nd:], k[nd:], v[nd:]
         if meta.pcp is not None and self.causal:
-            return pcp_prefill_attention(self.ops, q[nd:], k[nd:], v[nd:], step_kv, meta.pcp,
-                                         nd, self.scale, self.sliding_window)
-        if self.causal:
-            return self._varlen(q[nd:], k[nd:], v[nd:], meta.prefill_cu_seqlens)
-        step_k, step_v = step_kv.wait()  # encoder-only: the real tokens of each prefill
-        real = meta.prefill_real_kv_idx
-        return self.ops.varlen_attention(q[nd:], step_k[real], step_v[real],
-                                         meta.prefill_cu_seqlens, meta.prefill_real_cu_seqlens,
-                                         scale=self.scale, causal=False)
+            pre = pcp_prefill_attention(self.ops, q_pre, k_pre, v_pre, step_kv, meta.pcp, nd,
+                                        self.scale, self.sliding_window)
+        elif self.causal:
+            pre = self._varlen(q_pre, k_pre, v_pre, meta.prefill_cu_seqlens)
+        else:  # encoder-only: over the real tokens of each prefill
+            step_k, step_v = step_kv.wait()
+            real = meta.prefill_real_kv_idx
+            pre = self.ops.varlen_attention(q_pre, step_k[real], step_v[real],
+                                            meta.prefill_cu_seqlens,
+                                            meta.prefill_real_cu_seqlens, scale=self.scale,
+                                            causal=False)
+        return pre if dec is None else (torch.cat([dec[0], pre[0]]), torch.cat([dec[1], pre[1]]))
 
     def _varlen(self, q, k, v, cu_seqlens):
         """Causal (windowed) attention of rows over their own request's rows."""
@@ -170,23 +163,11 @@ class BaseAttentionImpl:
     def _combine_context(self, out: torch.Tensor, lse: torch.Tensor, meta: AttentionMetadata
                          ) -> tuple[torch.Tensor, torch.Tensor]:
         """Partials over this rank's KV shard (out [context rows, dcp Hq, D], lse) -> the
-        context attention of the local rows over every shard: DCP (``dcp_comm_backend``),
-        then PCP when the queries were gathered over it. Identity on one device."""
-        groups = self.groups
-        if groups is not None and groups.config.dcp_size > 1:
-            dcp = groups.config.dcp_size
-            if self.dcp_comm_backend == "a2a":
-                out, lse = combine_dcp_a2a(self.comm, out, lse, groups.dcp_group, dcp)
-            else:
-                out, lse = combine_dcp_ag_rs(self.comm, out, lse, groups.dcp_group, dcp,
-                                             groups.ranks.dcp_rank)
-        if meta.ctx_over_pcp:
-            out, lse = combine_pcp_a2a(self.comm, out, lse, meta, groups.pcp_group)
-        return out, lse
-
-    def _groups(self, name: str):
-        """A process group of this rank by name, None on one device (a group of one)."""
-        return None if self.groups is None else getattr(self.groups, name)
+        context attention of the local rows over every shard: over DCP
+        (``dcp_comm_backend``), then over PCP. Identity on one rank."""
+        combine_dcp = combine_dcp_a2a if self.dcp_comm_backend == "a2a" else combine_dcp_ag_rs
+        out, lse = combine_dcp(self.comm, out, lse, self.dcp_group)
+        return combine_pcp_a2a(self.comm, out, lse, meta, self.pcp_group)
 
 
 def _head_rows(x: torch.Tensor, rows: int, heads: int, dim: int) -> torch.Tensor:

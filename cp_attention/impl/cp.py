@@ -1,25 +1,14 @@
-"""Context-parallel attention impl (PCP, DCP and both): the CP constructor checks.
-
-The forward is :class:`~cp_attention.impl.base.BaseAttentionImpl`'s, the same steps with
-groups of more than one rank:
-  * PCP: the step's prefill K/V rows are all-gathered over the PCP group and restored; each
-    rank attends its head and tail chunks (:mod:`cp_attention.impl.pcp_prefill`).
-  * cached context (any CP): the query rows are gathered (tokens over PCP when the cache is
-    sharded over PCP ranks, heads over DCP), attend this rank's KV shard, and the partials are
-    combined exactly over DCP (``dcp_comm_backend``: "ag_rs" or "a2a"), then over PCP
-    (:mod:`cp_attention.impl.exchange`).
-"""
+"""Context-parallel attention impl (PCP, DCP and both): the CP constructor checks. The
+forward is :class:`~cp_attention.impl.base.BaseAttentionImpl`'s, the same steps over groups of
+more than one rank (:mod:`~cp_attention.impl.pcp`, :mod:`~cp_attention.impl.context`)."""
 from __future__ import annotations
 
 from cp_attention.impl.base import BaseAttentionImpl
-from cp_attention.impl.exchange import DCP_COMM_BACKENDS
+from cp_attention.impl.context import DCP_COMM_BACKENDS
 
 
 class CPAttentionImpl(BaseAttentionImpl):
     """Attention of one layer on one CP rank; ``groups`` is a :class:`CPGroups`."""
-
-    supports_pcp = True
-    supports_dcp = True
 
     def __init__(self, *args, groups=None, dcp_comm_backend: str = "ag_rs", **kwargs) -> None:
         """dcp_comm_backend: how DCP partials are combined, "ag_rs" (all-gather LSE +

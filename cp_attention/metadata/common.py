@@ -18,16 +18,16 @@ def _token_counts(name: str, values) -> np.ndarray:
     array = np.asarray(values)
     if array.ndim != 1:
         raise ValueError(f"{name} must be a 1-D sequence of integers, got shape {array.shape}")
-    bad = None
     if array.dtype.kind == "f":  # integral floats (2.0) are accepted, as int(2.0) == 2.0
         bad = np.flatnonzero(~np.isfinite(array) | (array != np.floor(array)))
-    elif array.dtype.kind not in "iu" or (  # numpy reads True in (True, 2) as 1
-            not isinstance(values, np.ndarray) and {bool, np.bool_} & set(map(type, values))):
+    elif array.dtype.kind in "iu" and (  # numpy reads True in (True, 2) as 1
+            isinstance(values, np.ndarray) or not {bool, np.bool_} & set(map(type, values))):
+        bad = ()
+    else:  # bools, strings, objects
         bad = np.flatnonzero([isinstance(v, (bool, np.bool_)) or not isinstance(
             v, (int, np.integer, float, np.floating)) for v in values])
-    if bad is not None and len(bad):
-        i = int(bad[0])
-        raise ValueError(f"{name}[{i}] = {values[i]!r} is not an integer")
+    if len(bad):
+        raise ValueError(f"{name}[{bad[0]}] = {values[bad[0]]!r} is not an integer")
     array = array.astype(np.int64)  # a copy: the caller's array stays its own
     array.flags.writeable = False
     return array
