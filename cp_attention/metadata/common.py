@@ -10,24 +10,18 @@ import torch
 
 
 def _token_counts(name: str, values) -> np.ndarray:
-    """[R] read-only int64 copy of ``values`` (a sequence, numpy array or tensor), checked
-    once, vectorized: a value that is not an integer (1.5, True, "3") is an error, not
-    truncated."""
+    """[R] read-only int64 copy of ``values`` (an integer sequence, numpy array or tensor),
+    checked once, vectorized: a value that is not an integer (1.5, True, "3") is an error."""
     if isinstance(values, torch.Tensor):
         values = values.numpy(force=True)
     array = np.asarray(values)
     if array.ndim != 1:
         raise ValueError(f"{name} must be a 1-D sequence of integers, got shape {array.shape}")
-    if array.dtype.kind == "f":  # integral floats (2.0) are accepted, as int(2.0) == 2.0
-        bad = np.flatnonzero(~np.isfinite(array) | (array != np.floor(array)))
-    elif array.dtype.kind in "iu" and (  # numpy reads True in (True, 2) as 1
-            isinstance(values, np.ndarray) or not {bool, np.bool_} & set(map(type, values))):
-        bad = ()
-    else:  # bools, strings, objects
-        bad = np.flatnonzero([isinstance(v, (bool, np.bool_)) or not isinstance(
-            v, (int, np.integer, float, np.floating)) for v in values])
-    if len(bad):
-        raise ValueError(f"{name}[{bad[0]}] = {values[bad[0]]!r} is not an integer")
+    if (array.size and array.dtype.kind not in "iu") or (  # numpy reads (True, 2) as ints
+            not isinstance(values, np.ndarray) and {bool, np.bool_} & set(map(type, values))):
+        i = next((i for i, v in enumerate(values) if isinstance(v, (bool, np.bool_)) or not
+                  isinstance(v, (int, np.integer)) or abs(int(v)) >= 2 ** 63), 0)
+        raise ValueError(f"{name}[{i}] = {values[i]!r} is not an int64 integer")
     array = array.astype(np.int64)  # a copy: the caller's array stays its own
     array.flags.writeable = False
     return array
