@@ -121,9 +121,8 @@ class BaseAttentionImpl:
                                           ctx_lse.to(lse.dtype))[0]
 
     def _single_pass(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        """Decode-only steps: write the step's K/V, then one paged call over this rank's shard
-        (steps 3 and 4 fused, no self part), partials combined as context ones:
-        out [rows, Hq, D]."""
+        """Decode-only steps: steps 3 and 4 fused (write the step's K/V, then one paged call over
+        this rank's shard; no self part), then 5: out [rows, Hq, D]."""
         key_cache, value_cache = kv_cache.unbind(0)
         plan = meta.single_pass
         ctx_q = gather_context_queries(self.comm, q, meta, self.pcp_group, self.dcp_group)
