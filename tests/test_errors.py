@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -481,6 +482,19 @@ def test_valid_inputs_pass_every_check() -> None:
     validate_varlen_inputs(*qkv(), torch.tensor([0, 1, 4]), torch.tensor([0, 2, 4]), window=3)
     validate_paged_inputs(qkv()[0], *cache(), torch.tensor([[0, 1]]), torch.tensor([0, 4]),
                           torch.tensor([17]))
+
+
+def test_step_counts_are_one_read_only_int64_copy() -> None:
+    """StepSpec keeps its counts as read-only int64 copies of any integer container."""
+    given = np.array([0, 5], dtype=np.int32)
+    table = torch.zeros(2, 1, dtype=torch.int32)
+    for counts in (given, torch.from_numpy(given), (0, 5), [np.int16(0), 5]):
+        spec = StepSpec(counts, (1, 2), table)
+        assert spec.num_computed_tokens.dtype == np.int64 and not spec.computed.flags.writeable
+        assert spec.num_computed_tokens.tolist() == [0, 5] and spec.seq_lens.tolist() == [1, 7]
+    spec = StepSpec(given, given + 1, table)
+    given[0] = 9  # the caller's array stays its own
+    assert spec.num_computed_tokens.tolist() == [0, 5]
 
 
 def test_debug_switch_selects_the_value_checks(monkeypatch) -> None:
