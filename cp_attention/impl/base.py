@@ -57,9 +57,8 @@ class BaseAttentionImpl:
         self.debug = debug_checks_from_env() if debug is None else debug
         self.ops = ops if ops is not None else get_ops(groups.device if groups is not None else "cpu")
         self.comm = Communicator()
-        # the groups the collectives run over; None (one rank) makes each a no-op
-        self.pcp_group, self.dcp_group = ((groups.pcp_group, groups.dcp_group)
-                                          if groups is not None else (None, None))
+        self.pcp_group = groups.pcp_group if groups is not None else None  # None: one rank,
+        self.dcp_group = groups.dcp_group if groups is not None else None  # steps are no-ops
 
     # -- forward -------------------------------------------------------------------------
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
