@@ -80,8 +80,8 @@ class CPConfig:
         return self.pcp_size > 1 or self.dcp_size > 1
 
     def kv_rank(self, pcp_rank: int, dcp_rank: int) -> int:
-        """This rank's index in the KV group, its KV shard (``pcp_rank * dcp_size +
-        dcp_rank`` for "cp")."""
+        """This rank's KV shard: its index in the KV group (``pcp_rank * dcp_size + dcp_rank``
+        for "cp", ``dcp_rank`` for "dcp")."""
         return pcp_rank * self.dcp_size + dcp_rank if self.kv_shard == "cp" else dcp_rank
 
     def validate_heads(self, num_heads: int, num_kv_heads: int) -> None:

@@ -1,10 +1,7 @@
-"""The attention impl of one layer: the forward as explicit steps, for any group sizes.
-
-Each query row gets attention over the step's own new tokens (self part, causal, bottom-right)
-and over its request's cached context (context part), merged by LSE. The steps call
-:mod:`~cp_attention.impl.pcp` (gather K/V, PCP self part) then
-:mod:`~cp_attention.impl.context` (query gather, combines), each a no-op for a group of one.
-"""
+"""The attention impl of one layer: the forward as explicit steps, for any group sizes. Each
+row attends the step's own new tokens (self part) and its request's cached context (context
+part), merged by LSE; the steps call :mod:`~cp_attention.impl.pcp` then
+:mod:`~cp_attention.impl.context`, each a no-op for a group of one rank."""
 from __future__ import annotations
 
 import torch

@@ -1,12 +1,6 @@
-"""PCP prefill in the forward: the all-gather of the step's prefill K/V and the self part of
-a rank's head and tail chunks (HeadTail).
-
-Each chunk attends the keys before it unmasked and its own rows with a causal mask (the
-diagonal), merged by LSE; with a sliding window one bottom-right causal call does both. The
-diagonals need only local rows, so they run while the K/V all-gather is in flight; the
-unmasked part of chunk k reads the first ``k c`` restored keys of each prefill in place
-(``varlen_attention``'s ``seqused_k``), no gathered copy. Without PCP each step is a no-op.
-"""
+"""PCP prefill in the forward (no-ops without PCP): the all-gather of the step's prefill K/V
+(:class:`StepKV`) and the self part of a rank's head and tail chunks (HeadTail), each chunk's
+causal diagonal on local rows while the gather is in flight (docs/pcp.md, section 2)."""
 from __future__ import annotations
 
 import torch

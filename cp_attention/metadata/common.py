@@ -47,9 +47,8 @@ class StepSpec:
     The step's new tokens are numbered in batch order: request r's tokens are global token
     indices ``cu_new_tokens[r] .. cu_new_tokens[r + 1] - 1``.
 
-    The counts may be given as any integer sequence, numpy array or tensor; they are stored
-    once as read-only [R] int64 arrays (also named ``computed`` / ``scheduled``), checked
-    vectorized here, the step's one boundary check.
+    The counts (any integer sequence, numpy array or tensor) are kept as read-only [R] int64
+    arrays (also named ``computed`` / ``scheduled``), checked once here, vectorized.
     """
 
     num_computed_tokens: np.ndarray
