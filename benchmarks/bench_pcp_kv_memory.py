@@ -38,7 +38,7 @@ import torch
 from benchmarks.common import REPO_ROOT, write_json
 from cp_attention.backend import CPAttentionBackend
 from cp_attention.config import CPConfig
-from cp_attention.impl import cp as cp_impl
+from cp_attention.impl import pcp as pcp_impl
 from cp_attention.metadata.common import StepSpec
 from cp_attention.metadata.kv_layout import KVSharding
 from cp_attention.testing.pool import RankPool
@@ -47,20 +47,18 @@ NAME = "bench_pcp_kv_memory"
 HQ, HKV, HEAD_SIZE, DTYPE = 8, 8, 128, torch.bfloat16
 
 
-def _gathering_chunk_attention(self, q_part, k_pre, v_pre, chunk, cu_q, diagonal,
-                               restored_cu=None):
+def _gathering_chunk_attention(ops, q_part, k_pre, v_pre, chunk, cu_q, diagonal, restored_cu,
+                               scale, window):
     """The unmasked part before seqused_k: gathered copies of the keys before the chunk."""
     device = q_part.device
-    if self.sliding_window is not None:
+    if window is not None:
         kv_idx = chunk.kv_idx.to(device)
-        return self.ops.varlen_attention(q_part, k_pre[kv_idx], v_pre[kv_idx], cu_q,
-                                         chunk.cu_seqlens_k, scale=self.scale, causal=True,
-                                         window=self.sliding_window)
+        return ops.varlen_attention(q_part, k_pre[kv_idx], v_pre[kv_idx], cu_q,
+                                    chunk.cu_seqlens_k, scale=scale, causal=True, window=window)
     nomask_idx = chunk.kv_nomask_idx.to(device)
-    before = self.ops.varlen_attention(q_part, k_pre[nomask_idx], v_pre[nomask_idx], cu_q,
-                                       chunk.nomask_cu_seqlens_k, scale=self.scale,
-                                       causal=False)
-    return self.ops.merge_attn_states(*before, *diagonal)
+    before = ops.varlen_attention(q_part, k_pre[nomask_idx], v_pre[nomask_idx], cu_q,
+                                  chunk.nomask_cu_seqlens_k, scale=scale, causal=False)
+    return ops.merge_attn_states(*before, *diagonal)
 
 
 def _status_kib(field: str) -> int:
@@ -98,12 +96,12 @@ def layer_task(rank: int, get_groups, tokens: int, variant: str) -> dict:
     cfg = CPConfig(pcp_size=2, block_size=128)
     groups = get_groups(cfg)
     if variant == "before":
-        cp_impl.CPAttentionImpl._chunk_attention = _gathering_chunk_attention
+        pcp_impl.chunk_attention = _gathering_chunk_attention
     impl, meta, q, k, v, cache, out = _layer(groups, cfg, 256, rank)
     impl.forward(None, q, k, v, cache, meta, output=out)  # warm-up
     impl, meta, q, k, v, cache, out = _layer(groups, cfg, tokens, rank)
     owned = {_storage(k), _storage(v)}  # the layer's own inputs: views of them are no copies
-    wait = cp_impl._PendingStepKV.wait
+    wait = pcp_impl.StepKV.wait
 
     def recording_wait(pending):
         step_k, step_v = wait(pending)
@@ -127,7 +125,7 @@ def layer_task(rank: int, get_groups, tokens: int, variant: str) -> dict:
         stage(f"{kind} varlen_attention")
         return result
 
-    cp_impl._PendingStepKV.wait = recording_wait
+    pcp_impl.StepKV.wait = recording_wait
     impl.ops.varlen_attention = recording_varlen
     try:
         Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
@@ -138,7 +136,7 @@ def layer_task(rank: int, get_groups, tokens: int, variant: str) -> dict:
         seconds = time.perf_counter() - start
         peak = _status_kib("VmHWM")
     finally:
-        cp_impl._PendingStepKV.wait = wait
+        pcp_impl.StepKV.wait = wait
     return {"rank": rank, "variant": variant, "local_rows": meta.num_actual_tokens,
             "kv_bytes_materialized": copied, "peak_extra_bytes": (peak - rss_before) * 1024,
             "stages": stages,

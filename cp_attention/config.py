@@ -30,8 +30,10 @@ class CPConfig:
     World layout (as vLLM): ``world = pcp_size * tp_size``, ``rank = pcp_rank * tp_size + tp_rank``;
     DCP groups are ``dcp_size`` consecutive ranks of a TP group (``dcp_rank = tp_rank % dcp_size``).
 
-    kv_shard: "cp" shards each request's KV over all ``pcp*dcp`` ranks; "dcp" (vLLM's layout)
-    shards over the DCP group only, every PCP rank keeping the whole sequence of its shard.
+    The KV group: the ranks that shard one request's KV (``kv_world``, shard ``kv_rank``;
+    vLLM's DCP group). kv_shard picks it: "cp" all ``pcp*dcp`` ranks, "dcp" the DCP group only
+    (every PCP rank keeping the whole sequence of its shard). Our DCP group: the ``dcp_size``
+    TP ranks that share a KV head and split its query heads.
     decode_threshold: a request with context and at most this many new tokens is a decode
     (1 + number of speculative tokens).
     """
@@ -70,7 +72,7 @@ class CPConfig:
 
     @property
     def kv_world(self) -> int:
-        """Number of shards of each request's KV cache."""
+        """Size of the KV group: shards of each request's KV cache."""
         return self.cp_world if self.kv_shard == "cp" else self.dcp_size
 
     @property
@@ -78,7 +80,8 @@ class CPConfig:
         return self.pcp_size > 1 or self.dcp_size > 1
 
     def kv_rank(self, pcp_rank: int, dcp_rank: int) -> int:
-        """This rank's KV shard index (``cp_rank = pcp_rank * dcp_size + dcp_rank`` for "cp")."""
+        """This rank's KV shard: its index in the KV group (``pcp_rank * dcp_size + dcp_rank``
+        for "cp", ``dcp_rank`` for "dcp")."""
         return pcp_rank * self.dcp_size + dcp_rank if self.kv_shard == "cp" else dcp_rank
 
     def validate_heads(self, num_heads: int, num_kv_heads: int) -> None:

@@ -29,8 +29,7 @@ def step_field_checksums(step: StepSpec) -> tuple[int, int, int]:
     """Checksums of (num_computed_tokens, num_scheduled_tokens, block_table incl. its shape)."""
     table = np.ascontiguousarray(step.block_table.detach().cpu().numpy().astype(np.int64))
     shape = np.asarray(table.shape, dtype=np.int64).tobytes()
-    return (_digest(np.asarray(step.num_computed_tokens, dtype=np.int64).tobytes()),
-            _digest(np.asarray(step.num_scheduled_tokens, dtype=np.int64).tobytes()),
+    return (_digest(step.computed.tobytes()), _digest(step.scheduled.tobytes()),
             _digest(shape + table.tobytes()))
 
 

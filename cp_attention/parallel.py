@@ -1,4 +1,4 @@
-"""Process groups of a CP deployment: pcp, tp, dcp and the KV-sharding group.
+"""Process groups of a CP deployment: pcp, tp, dcp and the KV group (``CPConfig``).
 
 Groups are created once from the default process group (``torchrun`` environment or an
 existing group); the communication backend follows the device: gloo (cpu), nccl (cuda),
@@ -35,7 +35,7 @@ class CPGroups:
     pcp_group: dist.ProcessGroup | None = None
     tp_group: dist.ProcessGroup | None = None
     dcp_group: dist.ProcessGroup | None = None
-    kv_group: dist.ProcessGroup | None = None  # ranks sharing one KV head slice, in kv_rank order
+    kv_group: dist.ProcessGroup | None = None  # the KV group, in kv_rank order
 
     @classmethod
     def single(cls, config: CPConfig | None = None, device: str | torch.device = "cpu") -> "CPGroups":

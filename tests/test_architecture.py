@@ -169,6 +169,17 @@ def test_public_names_import_from_the_top():
     assert issubclass(cp_attention.StepError, ValueError)
 
 
+def test_the_forward_has_no_hooks():
+    """A layer's forward is BaseAttentionImpl's list of steps: the step modules call no other
+    impl module and CPAttentionImpl overrides no method but __init__ (docs/design.md)."""
+    graph, _ = import_graph()
+    for step_module in ("cp_attention.impl.pcp", "cp_attention.impl.context"):
+        assert not {m for m in graph[step_module] if m.startswith("cp_attention.impl")}
+    overridden = [name for name, value in vars(cp_attention.CPAttentionImpl).items()
+                  if callable(value) and name != "__init__"]
+    assert overridden == []
+
+
 # -- the rules can fail -------------------------------------------------------------------
 def test_find_cycle_and_layers_on_synthetic_graphs():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -199,6 +200,13 @@ CASES: list[Case] = [
          lambda: step((-1,), (1,))),
     Case("StepSpec", "num_scheduled_tokens=(0,)", ValueError, r"num_scheduled_tokens\[0\] = 0",
          lambda: step((0,), (0,))),
+    Case("StepSpec", "num_computed_tokens=(0, 1.5)", ValueError,
+         r"num_computed_tokens\[1\] = 1.5 is not an int64 integer", lambda: step((0, 1.5), (1, 1))),
+    Case("StepSpec", "num_scheduled_tokens=(True,)", ValueError,
+         r"num_scheduled_tokens\[0\] = True is not an int64 integer", lambda: step((0,), (True,))),
+    Case("StepSpec", "num_computed_tokens 2-D", ValueError,
+         r"num_computed_tokens must be a 1-D sequence of integers",
+         lambda: step(torch.zeros(1, 1, dtype=torch.int64), (1,))),
     Case("StepSpec", "float block_table", ValueError, r"block_table must be a 2-D integer tensor",
          lambda: step(table=torch.zeros(1, 1))),
     Case("StepSpec", "1-D block_table", ValueError, r"block_table must be a 2-D integer tensor",
@@ -474,6 +482,19 @@ def test_valid_inputs_pass_every_check() -> None:
     validate_varlen_inputs(*qkv(), torch.tensor([0, 1, 4]), torch.tensor([0, 2, 4]), window=3)
     validate_paged_inputs(qkv()[0], *cache(), torch.tensor([[0, 1]]), torch.tensor([0, 4]),
                           torch.tensor([17]))
+
+
+def test_step_counts_are_one_read_only_int64_copy() -> None:
+    """StepSpec keeps its counts as read-only int64 copies of any integer container."""
+    given = np.array([0, 5], dtype=np.int32)
+    table = torch.zeros(2, 1, dtype=torch.int32)
+    for counts in (given, torch.from_numpy(given), (0, 5), [np.int16(0), 5]):
+        spec = StepSpec(counts, (1, 2), table)
+        assert spec.num_computed_tokens.dtype == np.int64 and not spec.computed.flags.writeable
+        assert spec.num_computed_tokens.tolist() == [0, 5] and spec.seq_lens.tolist() == [1, 7]
+    spec = StepSpec(given, given + 1, table)
+    given[0] = 9  # the caller's array stays its own
+    assert spec.num_computed_tokens.tolist() == [0, 5]
 
 
 def test_debug_switch_selects_the_value_checks(monkeypatch) -> None:

@@ -1,15 +1,17 @@
-"""Single-device attention impl: every state, from one general plan.
-
-Each query row gets (a) attention over the step's own new tokens (causal, bottom-right) and
-(b) attention over the request's cached context; the two partials merge by LSE. The CP impl
-(:mod:`cp_attention.impl.cp`) overrides only the hooks that move data between ranks.
-"""
+"""The attention impl of one layer: the forward as explicit steps, for any group sizes. Each
+row attends the step's own new tokens (self part) and its request's cached context (context
+part), merged by LSE; the steps call :mod:`~cp_attention.impl.pcp` then
+:mod:`~cp_attention.impl.context`, each a no-op for a group of one rank."""
 from __future__ import annotations
 
 import torch
 
+from cp_attention.comm import Communicator
 from cp_attention.config import debug_checks_from_env
 from cp_attention.impl.checks import check_forward_call, check_forward_values
+from cp_attention.impl.context import (combine_dcp_a2a, combine_dcp_ag_rs, combine_pcp_a2a,
+                                       gather_context_queries)
+from cp_attention.impl.pcp import StepKV, gather_step_kv, pcp_prefill_attention
 from cp_attention.metadata.builder import AttentionMetadata
 from cp_attention.ops import AttentionOps, get_ops
 
@@ -19,8 +21,7 @@ ATTN_TYPES = ("decoder", "encoder_only", "encoder", "encoder_decoder")
 class BaseAttentionImpl:
     """Attention of one layer on one rank. Shapes: q [T, Hq, D], k/v [T, Hkv, D] (or flat)."""
 
-    supports_pcp = False
-    supports_dcp = False
+    dcp_comm_backend = "ag_rs"  # how DCP partials are combined (CPAttentionImpl's argument)
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
                  sliding_window: int | None = None, attn_type: str = "decoder",
@@ -52,42 +53,9 @@ class BaseAttentionImpl:
         self.groups = groups
         self.debug = debug_checks_from_env() if debug is None else debug
         self.ops = ops if ops is not None else get_ops(groups.device if groups is not None else "cpu")
-
-    # -- hooks (identity on one device) ------------------------------------------------
-    def _step_kv(self, key: torch.Tensor, value: torch.Tensor, meta: AttentionMetadata):
-        """Start producing the K/V of the step rows (all new tokens of the step, restored).
-
-        Returns a handle for :meth:`_wait_step_kv`; on one device the K/V themselves.
-        """
-        return key, value
-
-    def _wait_step_kv(self, handle) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step rows' K/V [step rows, Hkv, D] of a :meth:`_step_kv` handle."""
-        return handle
-
-    def _context_queries(self, query: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Queries that attend this rank's cached context: [context rows, heads, D]."""
-        return query
-
-    def _combine_context(self, out: torch.Tensor, lse: torch.Tensor, meta: AttentionMetadata
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Partials over this rank's context -> full context attention of the local rows."""
-        return out, lse
-
-    def _prefill_self_attention(self, q, k, v, step_kv, meta):
-        """Local prefill rows over the step's prefill tokens (``step_kv``: a _step_kv handle)."""
-        step_k, step_v = self._wait_step_kv(step_kv)
-        start = meta.num_decode_tokens
-        q_pre = q[start:]
-        k_pre, v_pre = step_k[start:], step_v[start:]
-        if not self.causal:
-            k_pre, v_pre = k_pre[meta.prefill_real_kv_idx - start], v_pre[meta.prefill_real_kv_idx - start]
-            return self.ops.varlen_attention(q_pre, k_pre, v_pre, meta.prefill_cu_seqlens,
-                                             meta.prefill_real_cu_seqlens, scale=self.scale,
-                                             causal=False)
-        cu = meta.prefill_cu_seqlens
-        return self.ops.varlen_attention(q_pre, k_pre, v_pre, cu, cu, scale=self.scale,
-                                         causal=True, window=self.sliding_window)
+        self.comm = Communicator()
+        self.pcp_group = groups.pcp_group if groups is not None else None  # None: one rank,
+        self.dcp_group = groups.dcp_group if groups is not None else None  # steps are no-ops
 
     # -- forward -------------------------------------------------------------------------
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -123,53 +91,78 @@ class BaseAttentionImpl:
             out_view[rows:] = 0
         return output
 
-    def _single_pass(self, q, k, v, kv_cache, meta) -> torch.Tensor:
-        """Write the step's K/V, then one paged call over the cache (CP: this rank's shard,
-        partials combined as context ones): out [rows, Hq, D]."""
-        key_cache, value_cache = kv_cache.unbind(0)
-        plan = meta.single_pass
-        out, lse = self.ops.cache_and_paged_attention(
-            self._context_queries(q, meta), k, v, key_cache, value_cache,
-            meta.step_slot_mapping, meta.ctx_block_table, meta.ctx_cu_seqlens, plan.seq_lens,
-            scale=self.scale, kv_start=plan.kv_start, kv_end=plan.kv_end)
-        return self._combine_context(out, lse, meta)[0]
-
-    def _attention(self, q, k, v, kv_cache, meta) -> torch.Tensor:
-        """Self part over the step's new tokens, cache write, context part, LSE merge:
-        out [rows, Hq, D]."""
-        step_kv = self._step_kv(k, v, meta)  # CP: an all-gather, overlapped with attention
-        out, lse = self._self_attention(q, k, v, step_kv, meta)
+    def _attention(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """The general plan: out [rows, Hq, D] of the local rows q [rows, Hq, D]."""
+        # 1. gather K/V: the step's prefill rows of every PCP rank (in flight during 2)
+        step_kv = gather_step_kv(self.comm, k, v, meta, self.pcp_group)
+        # 2. self part: every local row over the step's own new tokens
+        out, lse = self._self_part(q, k, v, step_kv, meta)
         if self.attn_type != "decoder":  # encoder-only: no cache, no context (checked)
             return out
+        # 3. write cache: the step rows' K/V on this rank's shard
         key_cache, value_cache = kv_cache.unbind(0)
-        step_k, step_v = self._wait_step_kv(step_kv)
-        self.ops.reshape_and_cache(step_k, step_v, key_cache, value_cache, meta.step_slot_mapping)
-        if meta.has_context:
-            ctx_out, ctx_lse = self.ops.paged_attention(
-                self._context_queries(q, meta), key_cache, value_cache, meta.ctx_block_table,
-                meta.ctx_cu_seqlens, meta.ctx_seq_lens, scale=self.scale,
-                kv_start=meta.ctx_kv_start, kv_end=meta.ctx_kv_end)
-            ctx_out, ctx_lse = self._combine_context(ctx_out, ctx_lse, meta)
-            out, _ = self.ops.merge_attn_states(out, lse, ctx_out.to(out.dtype),
-                                                ctx_lse.to(lse.dtype))
-        return out
+        self.ops.reshape_and_cache(*step_kv.wait(), key_cache, value_cache,
+                                   meta.step_slot_mapping)
+        if not meta.has_context:
+            return out
+        # 4. context part: the context rows' queries over this rank's KV shard
+        ctx_q = gather_context_queries(self.comm, q, meta, self.pcp_group, self.dcp_group)
+        ctx_out, ctx_lse = self.ops.paged_attention(
+            ctx_q, key_cache, value_cache, meta.ctx_block_table, meta.ctx_cu_seqlens,
+            meta.ctx_seq_lens, scale=self.scale, kv_start=meta.ctx_kv_start,
+            kv_end=meta.ctx_kv_end)
+        # 5. combine the shards' partials, then merge with the self part
+        ctx_out, ctx_lse = self._combine_context(ctx_out, ctx_lse, meta)
+        return self.ops.merge_attn_states(out, lse, ctx_out.to(out.dtype),
+                                          ctx_lse.to(lse.dtype))[0]
 
-    def _self_attention(self, q, k, v, step_kv, meta):
-        """Attention of every local row over the step's own new tokens."""
-        num_dec = meta.num_decode_tokens
-        rows = q.shape[0]
-        if num_dec == rows:
-            return self._decode_self_attention(q, k, v, meta)
-        if num_dec == 0:
-            return self._prefill_self_attention(q, k, v, step_kv, meta)
-        dec_out, dec_lse = self._decode_self_attention(q[:num_dec], k[:num_dec], v[:num_dec], meta)
-        pre_out, pre_lse = self._prefill_self_attention(q, k, v, step_kv, meta)
-        return torch.cat([dec_out, pre_out]), torch.cat([dec_lse, pre_lse])
+    def _single_pass(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """Decode-only steps: steps 3 and 4 fused (write the step's K/V, then one paged call over
+        this rank's shard; no self part), then 5: out [rows, Hq, D]."""
+        key_cache, value_cache = kv_cache.unbind(0)
+        plan = meta.single_pass
+        ctx_q = gather_context_queries(self.comm, q, meta, self.pcp_group, self.dcp_group)
+        out, lse = self.ops.cache_and_paged_attention(
+            ctx_q, k, v, key_cache, value_cache, meta.step_slot_mapping, meta.ctx_block_table,
+            meta.ctx_cu_seqlens, plan.seq_lens, scale=self.scale, kv_start=plan.kv_start,
+            kv_end=plan.kv_end)
+        return self._combine_context(out, lse, meta)[0]
 
-    def _decode_self_attention(self, q, k, v, meta):
-        cu = meta.decode_cu_seqlens
-        return self.ops.varlen_attention(q, k, v, cu, cu, scale=self.scale, causal=True,
-                                         window=self.sliding_window)
+    def _self_part(self, q, k, v, step_kv: StepKV, meta: AttentionMetadata):
+        """(out, lse) of every local row over the step's own new tokens: decode rows over
+        their own, prefill rows (PCP: head and tail chunks) over their prefill's."""
+        nd = meta.num_decode_tokens
+        if nd == q.shape[0]:
+            return self._varlen(q, k, v, meta.decode_cu_seqlens)
+        dec = self._varlen(q[:nd], k[:nd], v[:nd], meta.decode_cu_seqlens) if nd else None
+        q_pre, k_pre, v_pre = q[nd:], k[nd:], v[nd:]
+        if meta.pcp is not None and self.causal:
+            pre = pcp_prefill_attention(self.ops, q_pre, k_pre, v_pre, step_kv, meta.pcp, nd,
+                                        self.scale, self.sliding_window)
+        elif self.causal:
+            pre = self._varlen(q_pre, k_pre, v_pre, meta.prefill_cu_seqlens)
+        else:  # encoder-only: over the real tokens of each prefill
+            step_k, step_v = step_kv.wait()
+            real = meta.prefill_real_kv_idx
+            pre = self.ops.varlen_attention(q_pre, step_k[real], step_v[real],
+                                            meta.prefill_cu_seqlens,
+                                            meta.prefill_real_cu_seqlens, scale=self.scale,
+                                            causal=False)
+        return pre if dec is None else (torch.cat([dec[0], pre[0]]), torch.cat([dec[1], pre[1]]))
+
+    def _varlen(self, q, k, v, cu_seqlens):
+        """Causal (windowed) attention of rows over their own request's rows."""
+        return self.ops.varlen_attention(q, k, v, cu_seqlens, cu_seqlens, scale=self.scale,
+                                         causal=True, window=self.sliding_window)
+
+    def _combine_context(self, out: torch.Tensor, lse: torch.Tensor, meta: AttentionMetadata
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Partials over this rank's KV shard (out [context rows, dcp Hq, D], lse) -> the
+        context attention of the local rows over every shard: over DCP
+        (``dcp_comm_backend``), then over PCP. Identity on one rank."""
+        combine_dcp = combine_dcp_a2a if self.dcp_comm_backend == "a2a" else combine_dcp_ag_rs
+        out, lse = combine_dcp(self.comm, out, lse, self.dcp_group)
+        return combine_pcp_a2a(self.comm, out, lse, meta, self.pcp_group)
 
 
 def _head_rows(x: torch.Tensor, rows: int, heads: int, dim: int) -> torch.Tensor:

@@ -77,7 +77,7 @@ def validate_step(step: StepSpec, config: CPConfig, num_blocks: int | None = Non
 
 def _expected_rows(step: StepSpec, config: CPConfig) -> tuple[np.ndarray, np.ndarray]:
     """(request, offset) of every step row: decode rows, then each prefill padded to 2*pcp*c."""
-    scheduled = np.asarray(step.num_scheduled_tokens, dtype=np.int64)
+    scheduled = step.scheduled
     is_decode = decode_mask(step, config.decode_threshold)
     reqs, offs = [], []
     for r in np.nonzero(is_decode)[0]:
@@ -103,8 +103,7 @@ def validate_rank_plans(step: StepSpec, config: CPConfig, metas: dict) -> None:
     * context lengths sum to num_computed_tokens; index tensors are in range.
     """
     cfg = config
-    computed = np.asarray(step.num_computed_tokens, dtype=np.int64)
-    scheduled = np.asarray(step.num_scheduled_tokens, dtype=np.int64)
+    computed, scheduled = step.computed, step.scheduled
     cu_new = step.cu_new_tokens
     table = step.block_table.cpu().numpy().astype(np.int64)
     sharding = KVSharding.of(cfg)

@@ -9,18 +9,20 @@ import numpy as np
 import torch
 
 
-def _as_ints(name: str, values) -> tuple[int, ...]:
-    """Values as ints; a non-integral value (1.5, True) is an error, not truncated."""
-    out = []
-    for i, value in enumerate(values):
-        if isinstance(value, (bool, np.bool_)) or int(value) != value:
-            raise ValueError(f"{name}[{i}] = {value!r} is not an integer")
-        out.append(int(value))
-    return tuple(out)
-
-
-def _frozen_int64(values: tuple[int, ...]) -> np.ndarray:
-    array = np.array(values, dtype=np.int64)
+def _token_counts(name: str, values) -> np.ndarray:
+    """[R] read-only int64 copy of ``values`` (an integer sequence, numpy array or tensor),
+    checked once, vectorized: a value that is not an integer (1.5, True, "3") is an error."""
+    if isinstance(values, torch.Tensor):
+        values = values.numpy(force=True)
+    array = np.asarray(values)
+    if array.ndim != 1:
+        raise ValueError(f"{name} must be a 1-D sequence of integers, got shape {array.shape}")
+    if (array.size and array.dtype.kind not in "iu") or (  # numpy reads (True, 2) as ints
+            not isinstance(values, np.ndarray) and {bool, np.bool_} & set(map(type, values))):
+        i = next((i for i, v in enumerate(values) if isinstance(v, (bool, np.bool_)) or not
+                  isinstance(v, (int, np.integer)) or abs(int(v)) >= 2 ** 63), 0)
+        raise ValueError(f"{name}[{i}] = {values[i]!r} is not an int64 integer")
+    array = array.astype(np.int64)  # a copy: the caller's array stays its own
     array.flags.writeable = False
     return array
 
@@ -35,7 +37,7 @@ class AttentionState(enum.Enum):
     SpecDecoding = 4  # every request is a decode, some with speculative tokens
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class StepSpec:
     """One scheduler step, the same on every rank.
 
@@ -45,26 +47,26 @@ class StepSpec:
     The step's new tokens are numbered in batch order: request r's tokens are global token
     indices ``cu_new_tokens[r] .. cu_new_tokens[r + 1] - 1``.
 
-    The tuples are the interface; the planners read the read-only int64 arrays
-    ``computed`` / ``scheduled`` / ``cu_new_tokens``, made once per step.
+    The counts (any integer sequence, numpy array or tensor) are kept as read-only [R] int64
+    arrays (also named ``computed`` / ``scheduled``), checked once here, vectorized.
     """
 
-    num_computed_tokens: tuple[int, ...]
-    num_scheduled_tokens: tuple[int, ...]
+    num_computed_tokens: np.ndarray
+    num_scheduled_tokens: np.ndarray
     block_table: torch.Tensor
 
     def __post_init__(self) -> None:
-        computed = _as_ints("num_computed_tokens", self.num_computed_tokens)
-        scheduled = _as_ints("num_scheduled_tokens", self.num_scheduled_tokens)
+        computed = _token_counts("num_computed_tokens", self.num_computed_tokens)
+        scheduled = _token_counts("num_scheduled_tokens", self.num_scheduled_tokens)
         object.__setattr__(self, "num_computed_tokens", computed)
         object.__setattr__(self, "num_scheduled_tokens", scheduled)
         if len(computed) != len(scheduled):
             raise ValueError(f"num_computed_tokens has {len(computed)} requests but "
                              f"num_scheduled_tokens has {len(scheduled)}")
-        if not computed:
+        if not len(computed):
             raise ValueError("a step needs at least one request")
-        for name, values, low in (("num_computed_tokens", self.computed, 0),
-                                  ("num_scheduled_tokens", self.scheduled, 1)):
+        for name, values, low in (("num_computed_tokens", computed, 0),
+                                  ("num_scheduled_tokens", scheduled, 1)):
             bad = np.flatnonzero(values < low)
             if len(bad):
                 r = int(bad[0])
@@ -75,15 +77,15 @@ class StepSpec:
         if bt.shape[0] != len(computed):
             raise ValueError(f"block_table has {bt.shape[0]} rows for {len(computed)} requests")
 
-    @cached_property
+    @property
     def computed(self) -> np.ndarray:
         """[R] int64 ``num_computed_tokens`` (read-only)."""
-        return _frozen_int64(self.num_computed_tokens)
+        return self.num_computed_tokens
 
-    @cached_property
+    @property
     def scheduled(self) -> np.ndarray:
         """[R] int64 ``num_scheduled_tokens`` (read-only)."""
-        return _frozen_int64(self.num_scheduled_tokens)
+        return self.num_scheduled_tokens
 
     @cached_property
     def cu_new_tokens(self) -> np.ndarray:

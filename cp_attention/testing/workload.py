@@ -152,7 +152,6 @@ def run_workload(w: Workload, rank: int = 0, groups: CPGroups | None = None,
                         backend=dist.get_backend() if dist.is_initialized() else None)
     computed: dict[int, int] = defaultdict(int)
     max_blocks = max(len(b) for b in blocks.values())
-    comm = getattr(impl, "comm", None)
     q_sel, kv_sel = list(q_heads), list(kv_heads)
     for step_idx, step in enumerate(w.steps):
         reqs = [r for r, _ in step]
@@ -177,7 +176,7 @@ def run_workload(w: Workload, rank: int = 0, groups: CPGroups | None = None,
             tq, tk, tv = tokens[r]
             q[mine], k[mine], v[mine] = tq[pos][:, q_sel], tk[pos][:, kv_sel], tv[pos][:, kv_sel]
         q, k, v = q.to(device), k.to(device), v.to(device)
-        before = comm.total_bytes if comm is not None else 0
+        before = impl.comm.total_bytes  # every impl counts its bytes (0 on one device)
         device_module.synchronize()
         start = time.perf_counter()
         out = impl.forward(None, q, k, v, cache, meta, output=torch.empty_like(q))
@@ -185,7 +184,7 @@ def run_workload(w: Workload, rank: int = 0, groups: CPGroups | None = None,
         report.seconds_per_step.append(time.perf_counter() - start)
         report.seconds += report.seconds_per_step[-1]
         out = out.cpu()
-        report.comm_bytes_per_step.append((comm.total_bytes if comm is not None else 0) - before)
+        report.comm_bytes_per_step.append(impl.comm.total_bytes - before)
         report.any_nan |= bool(torch.isnan(out).any())
         report.rows_per_step.append(rows)
         report.tokens_per_step.append(sorted(idx[real].tolist()))
@@ -212,8 +211,7 @@ def run_workload(w: Workload, rank: int = 0, groups: CPGroups | None = None,
         if check:
             report.cache_exact = _cache_matches(w, cache.cpu(), tokens, blocks, computed, ranks,
                                                 kv_sel)
-    report.comm_bytes = comm.total_bytes if comm is not None else 0
-    report.comm_calls = dict(comm.calls) if comm is not None else {}
+    report.comm_bytes, report.comm_calls = impl.comm.total_bytes, dict(impl.comm.calls)
     return report
 
 

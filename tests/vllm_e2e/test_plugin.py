@@ -404,8 +404,8 @@ def test_step_from_vllm_drops_padding_and_reorders_rows():
     # vLLM order: one-token prompt, decode, chunked prefill with context, padding request
     cm, _ = vllm_batch([0, 40, 63, 0], [1, 1, 37, 0], block_size=16)
     vstep, meta = build(cm, CPConfig(block_size=16, kv_shard="dcp"))
-    assert vstep.step.num_computed_tokens == (0, 40, 63)
-    assert vstep.step.num_scheduled_tokens == (1, 1, 37) and vstep.num_tokens == 39
+    assert vstep.step.num_computed_tokens.tolist() == [0, 40, 63]
+    assert vstep.step.num_scheduled_tokens.tolist() == [1, 1, 37] and vstep.num_tokens == 39
     rows = row_order(meta, vstep.num_tokens)
     assert rows is not None and rows[:3].tolist() == [1, 0, 2]  # decode first, then the prompt
     assert rows.sort().values.tolist() == list(range(39))

@@ -34,15 +34,16 @@ def cp_config_from_vllm(parallel_config, block_size: int, decode_threshold: int 
     group's consecutive ranks when pcp = 1, and spans the PCP ranks first when pcp > 1
     (``vllm/distributed/parallel_state.py:2222``); with pcp > 1 dcp must be 1, pcp or tp*pcp
     (``vllm/config/parallel.py:590-603``). The KV cache is sharded over vLLM's DCP group only
-    (the scheduler counts blocks with ``dcp_world_size``, ``pcp_world_size=1``):
+    (the scheduler counts blocks with ``dcp_world_size``, ``pcp_world_size=1``), so vLLM's
+    DCP group is our KV group and its DCP rank our ``kv_rank`` (``CPConfig``); our
+    ``dcp_size`` counts the TP ranks that split a KV head's query heads:
 
     ======================  ===============================================================
     vLLM (pcp, dcp)         ours
     ======================  ===============================================================
     (1, D)                  pcp=1, dcp=D, kv_shard="dcp"
     (P, 1)                  pcp=P, dcp=1, kv_shard="dcp": every PCP rank keeps the whole KV
-    (P, P)                  pcp=P, dcp=1, kv_shard="cp": KV sharded over the PCP ranks (vLLM's
-                            DCP group == our PCP group, DCP rank == PCP rank)
+    (P, P)                  pcp=P, dcp=1, kv_shard="cp": the KV group is the PCP group
     (P, P*T), T > 1         refused (:class:`UnsupportedLayout`); vLLM's GQA rules
                             (``dcp <= tp // kv_heads``) reject it for GQA models anyway
     ======================  ===============================================================
@@ -72,10 +73,9 @@ def cp_config_from_vllm(parallel_config, block_size: int, decode_threshold: int 
 
 
 def expected_vllm_dcp_rank(config: CPConfig, pcp_rank: int, tp_rank: int) -> int:
-    """vLLM's DCP rank of a worker under :func:`cp_config_from_vllm`'s mapping."""
-    if config.pcp_size > 1:
-        return pcp_rank if config.kv_shard == "cp" else 0
-    return tp_rank % config.dcp_size
+    """vLLM's DCP rank of a worker under :func:`cp_config_from_vllm`'s mapping: its rank in
+    the KV group."""
+    return config.kv_rank(pcp_rank, tp_rank % config.dcp_size)
 
 
 @dataclass(frozen=True)
@@ -94,19 +94,18 @@ def step_from_vllm(query_start_loc_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor
     block_table: [>= R, max_blocks] (virtual blocks under DCP). Requests with no new tokens
     (batch padding) are dropped; they hold no token rows so token numbering is unchanged.
     """
-    qsl = query_start_loc_cpu[:num_reqs + 1].to(torch.int64).numpy()
+    qsl = query_start_loc_cpu[:num_reqs + 1].numpy().astype(np.int64)
     new = np.diff(qsl)
-    seq_lens = seq_lens_cpu[:num_reqs].to(torch.int64).numpy()
-    keep = np.nonzero(new > 0)[0]
-    computed = seq_lens[keep] - new[keep]
+    computed = seq_lens_cpu[:num_reqs].numpy() - new  # the only conversion: one numpy view
     if (computed < 0).any():
-        r = int(keep[np.argmax(computed < 0)])
-        raise ValueError(f"vLLM request {r}: seq_len {int(seq_lens[r])} < query_len {int(new[r])}")
+        r = int(np.argmax(computed < 0))
+        raise ValueError(f"vLLM request {r}: seq_len {int(computed[r] + new[r])} < query_len "
+                         f"{int(new[r])}")
     table = block_table[:num_reqs]
-    if len(keep) != num_reqs:
-        table = table[torch.from_numpy(keep)]
-    step = StepSpec(tuple(computed.tolist()), tuple(new[keep].tolist()), table)
-    return VllmStep(step, int(qsl[-1]) if num_reqs else 0)
+    if not (new > 0).all():  # batch padding: requests with no new tokens are dropped
+        keep = np.flatnonzero(new > 0)
+        computed, new, table = computed[keep], new[keep], table[torch.from_numpy(keep)]
+    return VllmStep(StepSpec(computed, new, table), int(qsl[-1]) if num_reqs else 0)
 
 
 def row_order(meta: AttentionMetadata, num_tokens: int) -> torch.Tensor | None:
@@ -178,7 +177,7 @@ def step_row_tokens(meta: AttentionMetadata, step: StepSpec) -> torch.Tensor:
         return meta.local_token_idx[:meta.num_actual_tokens]
     req, pos = split.partition.restored_rows(split.chunk_lens)
     req = meta.prefill_reqs[req]
-    new = np.asarray(step.num_scheduled_tokens, dtype=np.int64)[req]
+    new = step.scheduled[req]
     tokens = np.where(pos < new, step.cu_new_tokens[req] + pos, -1)
     return torch.cat([meta.local_token_idx[:nd], torch.from_numpy(tokens.astype(np.int64))])
 

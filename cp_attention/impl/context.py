@@ -1,0 +1,75 @@
+"""The context part's collectives, each a function and a no-op for a group of one: the
+gather of the context queries and the three exact (LSE) combines of the shards' partials,
+DCP ag_rs, DCP a2a and the PCP all-to-all."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from cp_attention.comm import Communicator, group_rank, group_size
+from cp_attention.metadata.builder import AttentionMetadata
+from cp_attention.ops import merge_many
+
+DCP_COMM_BACKENDS = ("ag_rs", "a2a")
+Group = dist.ProcessGroup | None
+
+
+def gather_context_queries(comm: Communicator, query: torch.Tensor, meta: AttentionMetadata,
+                           pcp_group: Group, dcp_group: Group) -> torch.Tensor:
+    """query [rows, H, D] -> the context rows' queries [context rows, dcp H, D]: prefill rows
+    of every PCP rank, restored, when the context rows are the step rows; heads over DCP."""
+    if meta.ctx_over_pcp and meta.pcp.num_local_rows:
+        nd = meta.num_decode_tokens
+        gathered = comm.all_gather(query[nd:], pcp_group)
+        restore = meta.pcp.pcp_allgather_restore_idx.to(query.device)
+        query = torch.cat([query[:nd], gathered[restore]])
+    return comm.all_gather(query, dcp_group, dim=1)
+
+
+def combine_dcp_ag_rs(comm: Communicator, out: torch.Tensor, lse: torch.Tensor,
+                      dcp_group: Group) -> tuple[torch.Tensor, torch.Tensor]:
+    """out [rows, dcp H, D], lse [rows, dcp H] (every head of the DCP group over this rank's
+    KV shard) -> ([rows, H, D], [rows, H]) of this rank's heads over every shard: all-gather
+    of the LSEs, then a reduce-scatter of the outputs rescaled by ``exp(lse - total)``."""
+    dcp = group_size(dcp_group)
+    if dcp == 1:
+        return out, lse
+    rows, heads = lse.shape
+    all_lse = comm.all_gather(lse.float(), dcp_group).view(dcp, rows, heads)
+    total = torch.logsumexp(all_lse, dim=0)
+    finite = ~torch.isneginf(total)
+    weight = torch.where(finite, torch.exp(lse.float() - total), torch.zeros_like(total))
+    out = comm.reduce_scatter(out * weight.to(out.dtype).unsqueeze(-1), dcp_group, dim=1)
+    return out, total.chunk(dcp, dim=1)[group_rank(dcp_group)]
+
+
+def combine_dcp_a2a(comm: Communicator, out: torch.Tensor, lse: torch.Tensor,
+                    dcp_group: Group) -> tuple[torch.Tensor, torch.Tensor]:
+    """As :func:`combine_dcp_ag_rs`, by one all-to-all of packed ``[out | lse]``
+    ([dcp, rows, H, D + 1]) and a merge of the dcp partials of this rank's heads."""
+    dcp = group_size(dcp_group)
+    if dcp == 1:
+        return out, lse
+    packed = torch.cat([out, lse.to(out.dtype).unsqueeze(-1)], dim=-1)
+    send = packed.view(out.shape[0], dcp, out.shape[1] // dcp, -1).transpose(0, 1)
+    received = comm.all_to_all(send, dcp_group)
+    return merge_many(received[..., :-1].float(), received[..., -1].float())
+
+
+def combine_pcp_a2a(comm: Communicator, out: torch.Tensor, lse: torch.Tensor,
+                    meta: AttentionMetadata, pcp_group: Group
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partials of the context rows (step rows: decodes, then every rank's restored prefill
+    rows) over this rank's shard -> ([rows, H, D], [rows, H]) of the local rows over every
+    PCP shard: each rank is sent its rows of packed ``[out | lse]`` (decode rows to all, the
+    prefill rows scattered back to their rank), then a merge of the pcp partials. Identity
+    when the context rows are the local rows."""
+    if not meta.ctx_over_pcp:
+        return out, lse
+    nd, pcp = meta.num_decode_tokens, meta.pcp.pcp_size
+    packed = torch.cat([out, lse.to(out.dtype).unsqueeze(-1)], dim=-1)
+    prefill = packed[nd:][meta.pcp.pcp_allgather_scatter_idx.to(out.device)]
+    prefill = prefill.view(pcp, -1, *packed.shape[1:])
+    send = torch.cat([packed[:nd].unsqueeze(0).expand(pcp, *packed[:nd].shape), prefill], dim=1)
+    received = comm.all_to_all(send, pcp_group)
+    return merge_many(received[..., :-1], received[..., -1])
