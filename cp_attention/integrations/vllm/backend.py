@@ -200,6 +200,8 @@ class CPVllmImpl(AttentionImpl[CPVllmMetadata]):
         self.num_kv_heads = num_kv_heads or num_heads
         self.kv_cache_dtype = kv_cache_dtype
         self.sliding_window = sliding_window
+        self._kv_cache: torch.Tensor | None = None  # the layer's cache and its view, made once
+        self._kv_view: torch.Tensor | None = None
         vllm_config = get_current_vllm_config()
         self.config = vllm_cp_config(vllm_config, vllm_config.cache_config.block_size)
         extra_kwargs = {}
@@ -234,15 +236,20 @@ class CPVllmImpl(AttentionImpl[CPVllmMetadata]):
                 f"metadata has {n} local rows and local_rows_fed={meta.local_rows_fed}: the PCP "
                 "model runner (PCPCPUModelRunner._model_forward) did not select this rank's "
                 "rows; is the vLLM runner still calling _model_forward (vLLM 0.32)?")
-        if kv_cache.shape[2] != meta.block_size:
-            raise RuntimeError(f"KV cache block size {kv_cache.shape[2]} != metadata block size "
-                               f"{meta.block_size}")
-        cache = kv_cache_view(kv_cache, self.head_size)
+        if kv_cache is not self._kv_cache:  # the same tensor every step: view it once
+            if kv_cache.shape[2] != meta.block_size:
+                raise RuntimeError(f"KV cache block size {kv_cache.shape[2]} != metadata block "
+                                   f"size {meta.block_size}")
+            self._kv_cache, self._kv_view = kv_cache, kv_cache_view(kv_cache, self.head_size)
+        cache = self._kv_view
         rows = meta.row_idx
         if rows is None:
-            self.inner.forward(layer, query[:n], key[:n], value[:n], cache, meta.inner,
-                               output=output[:n], output_scale=output_scale,
-                               output_block_scale=output_block_scale)
+            if n != query.shape[0]:  # padded batch: the real rows only
+                query, key, value, output_rows = query[:n], key[:n], value[:n], output[:n]
+            else:
+                output_rows = output
+            self.inner.forward(layer, query, key, value, cache, meta.inner, output=output_rows,
+                               output_scale=output_scale, output_block_scale=output_block_scale)
             return output
         out = torch.empty_like(output[:n])
         self.inner.forward(layer, query[rows], key[rows], value[rows], cache, meta.inner,
