@@ -567,3 +567,50 @@ def test_pcp_impl_refuses_rows_the_runner_did_not_select(tmp_path, pcp_plugin, m
     meta.local_rows_fed = True  # marked, but vLLM passed the global rows
     with pytest.raises(backend.PCPRowsNotSelected, match=f"got {total} rows"):
         impl.forward(None, q, kv, kv, cache, meta, output=out)
+
+
+def test_impl_forward_equals_vllm_cpu_attn_over_steps(tmp_path, monkeypatch):
+    """Our builder + impl against vLLM's own CPU_ATTN builder + impl, in process, on the same
+    inputs over four steps (prefills, decodes, padded T, rows permuted against vLLM's order):
+    outputs equal, padding rows untouched, the layer's KV view made once."""
+    from types import SimpleNamespace
+
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.backends import cpu_attn
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from cp_attention.integrations.vllm import backend
+
+    heads, kv_heads, dim, bs = 4, 2, 32, 32
+    monkeypatch.setattr(backend, "vllm_ranks", lambda cfg: CPRanks())  # one process, no groups
+    config = _engine_config(make_tiny_llama_dir(tmp_path))
+    spec = FullAttentionSpec(block_size=bs, num_kv_heads=kv_heads, head_size=dim,
+                             dtype=torch.float32)
+    with set_current_vllm_config(config):
+        ours_b = backend.CPVllmMetadataBuilder(spec, ["layer.0"], config, torch.device("cpu"))
+        ours = backend.CPVllmImpl(heads, dim, dim ** -0.5, kv_heads)
+        ref_b = cpu_attn.CPUAttentionMetadataBuilder(spec, [], config, torch.device("cpu"))
+        ref = cpu_attn.CPUAttentionBackendImpl(heads, dim, dim ** -0.5, kv_heads, None, None, "auto")
+    layer = SimpleNamespace(isa=ref_b.isa, _k_scale_float=1.0, _v_scale_float=1.0)
+    gen = torch.Generator().manual_seed(0)
+    table = torch.randperm(24, generator=gen).view(3, 8).to(torch.int32)
+    cache_ours, cache_ref = torch.zeros(24, kv_heads, bs, 2 * dim), torch.zeros(24, kv_heads, bs, 2 * dim)
+    computed = np.zeros(3, dtype=int)
+    for new, pad, permuted in [([40, 7, 70], 0, False), ([1, 1, 1], 0, False),
+                               ([1, 1, 5], 3, False), ([3, 1, 1], 2, True)]:
+        cm, _ = vllm_batch(computed, new, block_size=bs)
+        cm.block_table_tensor = table  # the same blocks every step
+        cm.slot_mapping = vllm_formula_slots(cm.query_start_loc_cpu, cm.positions, table, bs, 1, 0, 1)
+        n = int(sum(new))
+        q, k, v = (torch.randn(n + pad, h, dim, generator=gen) for h in (heads, kv_heads, kv_heads))
+        out_ours, out_ref = torch.full((n + pad, heads, dim), 7.0), torch.full((n + pad, heads, dim), 7.0)
+        meta = ours_b.build(0, cm)
+        assert (meta.row_idx is not None) == permuted
+        ours.forward(None, q, k, v, cache_ours, meta, output=out_ours)
+        ref_meta = ref_b.build(0, cm)
+        ref.do_kv_cache_update(layer, k[:n], v[:n], cache_ref, cm.slot_mapping)
+        ref.forward(layer, q, k, v, cache_ref, ref_meta, output=out_ref)
+        torch.testing.assert_close(out_ours[:n], out_ref[:n], atol=1e-5, rtol=1e-5)
+        assert bool((out_ours[n:] == 7).all())
+        computed = computed + np.asarray(new)
+    assert ours._kv_cache is cache_ours
