@@ -13,6 +13,7 @@ from pathlib import Path
 from run_llm import RESULT_PREFIX  # sibling module (tests/vllm_e2e is on sys.path)
 
 RUNNER = Path(__file__).with_name("run_llm.py")
+FAULTS_DIR = Path(__file__).with_name("faults")  # sitecustomize.py: test-only fault injection
 RUN_TIMEOUT_S = 900  # a loaded 2-core box; quiet machine: < 60 s per run
 CP = {"CP_ATTENTION_VLLM": "1"}
 MULTI_WORKER = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
@@ -20,12 +21,14 @@ MULTI_WORKER = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
 @dataclass(frozen=True)
 class RunSpec:
-    """One configuration: environment, extra CLI args, model key; ``fails``: expected rc != 0."""
+    """One configuration: environment, extra CLI args, model key; ``fails``: expected rc != 0;
+    ``fault``: a negative control of ``faults/sitecustomize.py`` injected in every process."""
 
     env: dict = field(default_factory=dict)
     args: tuple = ()
     model: str = "default"
     fails: bool = False
+    fault: str | None = None
 
 
 class Runs:
@@ -56,11 +59,15 @@ class Runs:
     def _run(self, name: str) -> None:
         spec = self.specs[name]
         env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("CP_ATTENTION_VLLM", "VLLM_"))}
+               if not k.startswith(("CP_ATTENTION_VLLM", "VLLM_", "CP_E2E_FAULT"))}
         # EngineCore in process: every request is queued before the first step, so the
         # schedule (and the batch orders tested) is deterministic.
         env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
                     "VLLM_LOGGING_LEVEL": "INFO", "PYTHONUNBUFFERED": "1"}, **spec.env)
+        if spec.fault is not None:
+            env["CP_E2E_FAULT"] = spec.fault
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(FAULTS_DIR),
+                                                            env.get("PYTHONPATH")) if p)
         cmd = [sys.executable, str(RUNNER), str(self.models[spec.model]), *self.common_args,
                *spec.args]
         start = time.time()

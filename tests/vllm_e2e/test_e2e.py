@@ -44,8 +44,7 @@ RUNS = {
     "cp_tp2_dcp2_il16_noreorder": RunSpec({**CP, **MULTI_WORKER, **NO_REORDER},
                                           DCP2 + ("--interleave", "16")),
     "cp_tp2_dcp2_a2a": RunSpec({**CP, **MULTI_WORKER}, DCP2 + ("--dcp-comm-backend", "a2a")),
-    "cp_tp2_dcp2_fault": RunSpec({**CP, **MULTI_WORKER,
-                                  "CP_ATTENTION_VLLM_FAULT": "skip_dcp_combine"}, DCP2),
+    "cp_tp2_dcp2_fault": RunSpec({**CP, **MULTI_WORKER}, DCP2, fault="skip_dcp_combine"),
 }
 REFERENCE = "cpu_attn_tp1"
 OURS = ["cp_tp1", "cp_tp1_noreorder", "cp_tp2_dcp2", "cp_tp2_dcp2_il16_noreorder", "cp_tp2_dcp2_a2a"]
@@ -71,7 +70,7 @@ def test_reference_generates_expected_lengths(runs):
 def test_our_backend_is_used(runs, name):
     log = runs.log(name)
     impl = "CPAttentionImpl" if "dcp2" in name else "BaseAttentionImpl"
-    assert f"cp_attention impl active: {impl}" in log
+    assert f"cp_attention impl active: {impl}, ops CpuOps (C++ CPU kernels)" in log
     if "dcp2" in name:
         assert "dcp rank 0/2" in log and "dcp rank 1/2" in log
         backend = "a2a" if "a2a" in name else "ag_rs"  # vLLM's --dcp-comm-backend, honoured
@@ -106,7 +105,8 @@ def test_greedy_margins_dominate_differences(runs):
 def test_negative_control_broken_dcp_combine_changestokens(runs):
     """Dropping the DCP combine (each rank keeps only its KV shard) must be detected."""
     fault = runs.get("cp_tp2_dcp2_fault")
-    assert "skip_dcp_combine" in runs.log("cp_tp2_dcp2_fault")
+    assert "test fault skip_dcp_combine: DCP partials are NOT combined" in runs.log(
+        "cp_tp2_dcp2_fault")
     ref = tokens(runs.get(REFERENCE))
     changed = [i for i, (a, b) in enumerate(zip(ref, tokens(fault))) if a != b]
     assert len(changed) >= 2, f"only requests {changed} changed under a broken DCP combine"

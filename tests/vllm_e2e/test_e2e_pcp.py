@@ -18,9 +18,10 @@ tokens. Six prompts make the run contain:
 Under dcp = pcp each token is stored on exactly one PCP rank and decode rows attend only that
 rank's shard: the builders' ``cp_attention KV shard`` log lines must split the stored tokens
 and the decode rows' cached keys about half and half. Every PCP run has
-``CP_ATTENTION_VLLM_CHECK_TOKENS=1`` (all PCP ranks sampled the same tokens
-every step, else the run dies). Negative controls: no hidden-state restore changes tokens; a
-rank reporting a wrong token makes the check fire.
+``CP_ATTENTION_VLLM_CHECK_TOKENS=1`` (all PCP ranks sampled the same tokens every step, else
+the run dies). Negative controls (injected by ``faults/sitecustomize.py``): no hidden-state
+restore changes tokens; a rank reporting a wrong token makes the check fire; a runner whose
+``_model_forward`` override is bypassed makes the impl refuse the step.
 """
 from __future__ import annotations
 
@@ -59,10 +60,11 @@ RUNS = {
     "gqa_pcp2": RunSpec({**CP, **CHECK, **MULTI_WORKER}, PCP2),
     "gqa_cpu_attn_bf16": RunSpec({}, BF16),
     "gqa_pcp2_bf16": RunSpec({**CP, **CHECK, **MULTI_WORKER}, PCP2 + BF16),
-    "gqa_pcp2_no_restore": RunSpec({**CP, **MULTI_WORKER,
-                                    "CP_ATTENTION_VLLM_FAULT": "skip_hidden_restore"}, PCP2),
-    "gqa_pcp2_bad_rank": RunSpec({**CP, **CHECK, **MULTI_WORKER,
-                                  "CP_ATTENTION_VLLM_FAULT": "perturb_tokens"}, PCP2, fails=True),
+    "gqa_pcp2_no_restore": RunSpec({**CP, **MULTI_WORKER}, PCP2, fault="skip_hidden_restore"),
+    "gqa_pcp2_bad_rank": RunSpec({**CP, **CHECK, **MULTI_WORKER}, PCP2, fails=True,
+                                 fault="perturb_tokens"),
+    "gqa_pcp2_runner_bypassed": RunSpec({**CP, **MULTI_WORKER}, PCP2, fails=True,
+                                        fault="runner_skips_model_forward"),
     "gqa_pcp2_dcp2": RunSpec({**CP, **CHECK, **MULTI_WORKER}, PCP2 + DCP2),
     "gqa_pcp2_tp2_dcp2": RunSpec({**CP, **CHECK, **MULTI_WORKER}, PCP2 + DCP2 + ("--tp", "2")),
     "g93_cpu_attn": RunSpec(model="g93"),
@@ -159,9 +161,18 @@ def test_bf16_pcp_matches_cpu_attn_bf16(runs):
 def test_negative_control_no_hidden_restore_changes_tokens(runs):
     ref = tokens(runs.get("gqa_cpu_attn"))
     broken = tokens(runs.get("gqa_pcp2_no_restore"))
-    assert "skip_hidden_restore: hidden states are NOT restored" in runs.log("gqa_pcp2_no_restore")
+    assert "test fault skip_hidden_restore: hidden states are NOT restored" in runs.log(
+        "gqa_pcp2_no_restore")
     changed = [i for i, (x, y) in enumerate(zip(ref, broken)) if x != y]
     assert set(LAST_ON_RANK1) <= set(changed), changed
+
+
+def test_impl_refuses_rows_the_pcp_runner_did_not_select(runs):
+    """Handshake: with the runner's _model_forward bypassed (as if vLLM renamed it), vLLM runs
+    the model on the global batch; the impl must refuse the step instead of attending it."""
+    log = runs.log("gqa_pcp2_runner_bypassed")
+    assert "test fault runner_skips_model_forward" in log
+    assert re.search(r"PCPRowsNotSelected: PCP rank \d: the layer got \d+ rows", log), log[-3000:]
 
 
 def test_token_check_fires_when_ranks_disagree(runs):

@@ -1,6 +1,7 @@
-"""The vLLM plugin's pieces, in process: registration, start-up refusals, slot-mapping shim,
-batch translation, config mapping, KV-cache view, PCP metadata and hidden-state restore from
-vLLM-shaped inputs (PCP end to end: test_e2e.py)."""
+"""The vLLM plugin's pieces, in process: registration (opt-in, version range), start-up
+refusals, slot-mapping shim, batch translation, config mapping, KV-cache view, the impl's log
+line and PCP handshake, PCP metadata and hidden-state restore from vLLM-shaped inputs (end to
+end: test_e2e.py, test_e2e_pcp.py)."""
 from __future__ import annotations
 
 import os
@@ -24,6 +25,8 @@ from cp_attention.integrations.vllm.slot_mapping import (cp_slot_mapping,
                                                          make_slot_mapping_impl)
 from cp_attention.metadata.builder import CPMetadataBuilder, MetadataBuilder
 from cp_attention.ops import ReferenceOps
+from cp_attention.ops.cpu_build import load_cpu_extension
+from cp_attention.parallel import CPGroups
 from cp_attention.testing.dense import dense_attention
 
 pytestmark = pytest.mark.vllm
@@ -127,6 +130,27 @@ def test_register_overrides_cpu_attn_and_installs_shim_once(clean_registry, monk
     assert enum.CPU_ATTN.get_class() is CPVllmBackend
     assert cpu_tl._compute_slot_mapping_kernel_impl.__wrapped__ is original
     assert not install_slot_mapping_shim()  # already installed
+
+
+@pytest.mark.parametrize("version", ["0.33.0", "0.31.2", "1.32.0", "0.3.2", "dev"])
+def test_register_refuses_untested_vllm_when_opted_in(clean_registry, monkeypatch, version):
+    import vllm
+
+    enum, cpu_tl, original = clean_registry
+    monkeypatch.setattr(vllm, "__version__", version)
+    monkeypatch.delenv(plugin.ENV_ENABLE, raising=False)
+    plugin.register()  # not opted in: no check, vLLM untouched
+    monkeypatch.setenv(plugin.ENV_ENABLE, "1")
+    with pytest.raises(plugin.UnsupportedVllmVersion) as err:
+        plugin.register()
+    assert f"found vLLM '{version}'" in str(err.value) and "0.32.x" in str(err.value)
+    assert enum.CPU_ATTN.get_path() == "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend"
+    assert cpu_tl._compute_slot_mapping_kernel_impl is original
+
+
+def test_vllm_032_releases_accepted():
+    for version in ("0.32.0", "0.32.1", "0.32.0+cpu", "0.32.1.dev4+g12ab"):
+        plugin.check_vllm_version(version)
 
 
 def test_backend_contract():
@@ -549,3 +573,109 @@ def test_hidden_restore_rows_from_every_pcp_rank(new):
         assert (rows_holding(meta1, last[:2]) >= 0).all() and (rows_holding(meta0, last[:2]) < 0).all()
     with pytest.raises(RuntimeError, match="held by no PCP rank"):
         pick_held_rows(torch.stack([torch.zeros(2, 9), torch.zeros(2, 9)]), torch.tensor([3, 4]))
+
+
+# -- the impl: ops named in its log line, PCP handshake with the runner --------------------------
+@pytest.mark.parametrize("forced, named", [("reference", "ops ReferenceOps (pure-torch fallback)"),
+                                           ("", "ops CpuOps (C++ CPU kernels)")])
+def test_impl_log_names_the_ops_in_use(tmp_path, monkeypatch, forced, named):
+    import logging
+
+    from vllm.config import set_current_vllm_config
+
+    from cp_attention.integrations.vllm.backend import CPVllmImpl
+
+    config = _engine_config(make_tiny_llama_dir(tmp_path))  # (re)configures vLLM's logging
+    monkeypatch.setenv("CP_ATTENTION_OPS", forced)
+    load_cpu_extension.cache_clear()
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger(plugin.LOGGER_NAME)
+    logger.addHandler(handler)
+    try:
+        with set_current_vllm_config(config):
+            impl = CPVllmImpl(4, 32, 32 ** -0.5, 2)
+    finally:
+        logger.removeHandler(handler)
+        load_cpu_extension.cache_clear()
+    lines = [r.getMessage() for r in records if "cp_attention impl active" in r.getMessage()]
+    assert len(lines) == 1 and f"BaseAttentionImpl, {named}," in lines[0], lines
+    assert type(impl.inner.ops).__name__ in named
+
+
+def test_pcp_impl_refuses_rows_the_runner_did_not_select(tmp_path, pcp_plugin, monkeypatch):
+    """vLLM's real builder and impl at pcp=2 (rank 0; one process cannot hold vLLM's PCP group,
+    so the group lookup is replaced: nothing communicates before the check). The metadata
+    comes unmarked from the builder; only the PCP runner marks it, as it feeds the local rows."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from cp_attention.integrations.vllm import backend
+
+    config = _engine_config(make_tiny_llama_dir(tmp_path), prefill_context_parallel_size=2)
+    monkeypatch.setattr(backend, "vllm_ranks", lambda cfg: CPRanks(0, 0, 0))
+    monkeypatch.setattr(backend, "vllm_groups",
+                        lambda cfg: CPGroups(cfg, CPRanks(0, 0, 0), torch.device("cpu")))
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    with set_current_vllm_config(config):
+        builder = backend.CPVllmMetadataBuilder(spec, ["layer.0"], config, torch.device("cpu"))
+        impl = backend.CPVllmImpl(4, 32, 32 ** -0.5, 2)
+    cm, _ = vllm_batch([30, 0], [1, 21], block_size=32)  # a decode and a 21-token prefill
+    meta = builder.build(0, cm)
+    n, total = meta.num_actual_tokens, cm.num_actual_tokens
+    assert not meta.local_rows_fed and n != total  # 1 decode + 12 of 24 padded prefill rows
+    q, kv = torch.randn(total, 4, 32), torch.randn(total, 2, 32)
+    cache, out = torch.zeros(16, 2, 32, 64), torch.zeros(total, 4, 32)
+    with pytest.raises(backend.PCPRowsNotSelected, match="local_rows_fed=False"):
+        impl.forward(None, q[:n], kv[:n], kv[:n], cache, meta, output=out[:n])
+    meta.local_rows_fed = True  # marked, but vLLM passed the global rows
+    with pytest.raises(backend.PCPRowsNotSelected, match=f"got {total} rows"):
+        impl.forward(None, q, kv, kv, cache, meta, output=out)
+
+
+def test_impl_forward_equals_vllm_cpu_attn_over_steps(tmp_path, monkeypatch):
+    """Our builder + impl against vLLM's own CPU_ATTN builder + impl, in process, on the same
+    inputs over four steps (prefills, decodes, padded T, rows permuted against vLLM's order):
+    outputs equal, padding rows untouched, the layer's KV view made once."""
+    from types import SimpleNamespace
+
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.backends import cpu_attn
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from cp_attention.integrations.vllm import backend
+
+    heads, kv_heads, dim, bs = 4, 2, 32, 32
+    monkeypatch.setattr(backend, "vllm_ranks", lambda cfg: CPRanks())  # one process, no groups
+    config = _engine_config(make_tiny_llama_dir(tmp_path))
+    spec = FullAttentionSpec(block_size=bs, num_kv_heads=kv_heads, head_size=dim,
+                             dtype=torch.float32)
+    with set_current_vllm_config(config):
+        ours_b = backend.CPVllmMetadataBuilder(spec, ["layer.0"], config, torch.device("cpu"))
+        ours = backend.CPVllmImpl(heads, dim, dim ** -0.5, kv_heads)
+        ref_b = cpu_attn.CPUAttentionMetadataBuilder(spec, [], config, torch.device("cpu"))
+        ref = cpu_attn.CPUAttentionBackendImpl(heads, dim, dim ** -0.5, kv_heads, None, None, "auto")
+    layer = SimpleNamespace(isa=ref_b.isa, _k_scale_float=1.0, _v_scale_float=1.0)
+    gen = torch.Generator().manual_seed(0)
+    table = torch.randperm(24, generator=gen).view(3, 8).to(torch.int32)
+    cache_ours, cache_ref = torch.zeros(24, kv_heads, bs, 2 * dim), torch.zeros(24, kv_heads, bs, 2 * dim)
+    computed = np.zeros(3, dtype=int)
+    for new, pad, permuted in [([40, 7, 70], 0, False), ([1, 1, 1], 0, False),
+                               ([1, 1, 5], 3, False), ([3, 1, 1], 2, True)]:
+        cm, _ = vllm_batch(computed, new, block_size=bs)
+        cm.block_table_tensor = table  # the same blocks every step
+        cm.slot_mapping = vllm_formula_slots(cm.query_start_loc_cpu, cm.positions, table, bs, 1, 0, 1)
+        n = int(sum(new))
+        q, k, v = (torch.randn(n + pad, h, dim, generator=gen) for h in (heads, kv_heads, kv_heads))
+        out_ours, out_ref = torch.full((n + pad, heads, dim), 7.0), torch.full((n + pad, heads, dim), 7.0)
+        meta = ours_b.build(0, cm)
+        assert (meta.row_idx is not None) == permuted
+        ours.forward(None, q, k, v, cache_ours, meta, output=out_ours)
+        ref_meta = ref_b.build(0, cm)
+        ref.do_kv_cache_update(layer, k[:n], v[:n], cache_ref, cm.slot_mapping)
+        ref.forward(layer, q, k, v, cache_ref, ref_meta, output=out_ref)
+        torch.testing.assert_close(out_ours[:n], out_ref[:n], atol=1e-5, rtol=1e-5)
+        assert bool((out_ours[n:] == 7).all())
+        computed = computed + np.asarray(new)
+    assert ours._kv_cache is cache_ours

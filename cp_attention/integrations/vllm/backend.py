@@ -10,7 +10,10 @@ once, with vLLM's slot, on every PCP rank).
 
 PCP: vLLM hands the builder the global batch; our metadata's rows for this PCP rank are what
 :class:`~.model_runner.PCPCPUModelRunner` feeds the model, so under PCP the impl receives
-exactly our local rows (no permutation). Config mapping of both vLLM PCP layouts:
+exactly our local rows (no permutation). Per-step handshake: the runner sets
+``CPVllmMetadata.local_rows_fed`` right before it runs the model on those rows, and the impl
+raises :class:`PCPRowsNotSelected` on a PCP step without it (e.g. a vLLM whose runner no longer
+calls the overridden ``_model_forward`` would otherwise attend the global rows silently). Config mapping of both vLLM PCP layouts:
 :func:`~.adapter.cp_config_from_vllm`.
 """
 from __future__ import annotations
@@ -39,17 +42,12 @@ from cp_attention.metadata.common import StepSpec
 from cp_attention.parallel import CPGroups
 
 log = logging.getLogger(LOGGER_NAME)
-ENV_FAULT = "CP_ATTENTION_VLLM_FAULT"  # test-only fault injection (negative control)
+OPS_KINDS = {"cpu": "C++ CPU kernels", "reference": "pure-torch fallback"}  # AttentionOps.name
 ENV_REORDER = "CP_ATTENTION_VLLM_REORDER"  # "0": vLLM does not reorder its batch for us
 
 
-def _inject_skip_dcp_combine(impl) -> None:
-    """Negative control: keep only this rank's KV-shard partial (drop the DCP combine)."""
-    rank, heads = impl.groups.ranks.dcp_rank, impl.num_heads
-    mine = slice(rank * heads, (rank + 1) * heads)
-    impl._combine_context = lambda out, lse, meta: (out[:, mine], lse[:, mine])
-    log.warning("%s=skip_dcp_combine: DCP partials are NOT combined (results are wrong)",
-                ENV_FAULT)
+class PCPRowsNotSelected(RuntimeError):
+    """A PCP step reached the impl without the PCP model runner selecting this rank's rows."""
 
 
 def vllm_cp_config(vllm_config: VllmConfig, block_size: int, decode_threshold: int = 1
@@ -154,6 +152,7 @@ class CPVllmMetadata:
     slot_mapping: torch.Tensor  # vLLM's (kept for code that reads it generically)
     num_vllm_tokens: int  # vLLM's real tokens of the step
     last_token_idx: torch.Tensor  # [num_reqs] vLLM token index of each request's last new token
+    local_rows_fed: bool = False  # PCP: set by the PCP runner as it feeds this rank's rows
 
 
 class CPVllmMetadataBuilder(AttentionMetadataBuilder[CPVllmMetadata]):
@@ -229,6 +228,8 @@ class CPVllmImpl(AttentionImpl[CPVllmMetadata]):
         self.num_kv_heads = num_kv_heads or num_heads
         self.kv_cache_dtype = kv_cache_dtype
         self.sliding_window = sliding_window
+        self._kv_cache: torch.Tensor | None = None  # the layer's cache and its view, made once
+        self._kv_view: torch.Tensor | None = None
         vllm_config = get_current_vllm_config()
         self.config = vllm_cp_config(vllm_config, vllm_config.cache_config.block_size)
         extra_kwargs = {}
@@ -238,13 +239,13 @@ class CPVllmImpl(AttentionImpl[CPVllmMetadata]):
         self.inner = CPAttentionBackend.get_impl_cls(self.config)(
             num_heads, head_size, scale, self.num_kv_heads, sliding_window=sliding_window,
             attn_type="decoder", kv_cache_dtype=kv_cache_dtype, **extra_kwargs)
-        if os.environ.get(ENV_FAULT) == "skip_dcp_combine" and self.config.dcp_size > 1:
-            _inject_skip_dcp_combine(self.inner)
         vllm_dcp = vllm_config.parallel_config.decode_context_parallel_size
         if self.dcp_world_size != vllm_dcp:
             raise RuntimeError(f"vLLM DCP world {self.dcp_world_size} != config {vllm_dcp}")
-        log.info("cp_attention impl active: %s, heads %d/%d (q/kv on this rank), dcp rank %d/%d, "
-                 "pcp rank %d/%d, kv_shard %s, dcp_comm_backend %s", type(self.inner).__name__,
+        ops = self.inner.ops
+        log.info("cp_attention impl active: %s, ops %s (%s), heads %d/%d (q/kv on this rank), "
+                 "dcp rank %d/%d, pcp rank %d/%d, kv_shard %s, dcp_comm_backend %s",
+                 type(self.inner).__name__, type(ops).__name__, OPS_KINDS.get(ops.name, ops.name),
                  num_heads, self.num_kv_heads, self.dcp_rank, self.dcp_world_size,
                  self.pcp_rank, self.pcp_world_size, self.config.kv_shard,
                  getattr(self.inner, "dcp_comm_backend", "-"))
@@ -257,15 +258,26 @@ class CPVllmImpl(AttentionImpl[CPVllmMetadata]):
         if attn_metadata is None:  # profiling / warm-up run: nothing to attend
             return output
         meta, n = attn_metadata, attn_metadata.num_actual_tokens
-        if kv_cache.shape[2] != meta.block_size:
-            raise RuntimeError(f"KV cache block size {kv_cache.shape[2]} != metadata block size "
-                               f"{meta.block_size}")
-        cache = kv_cache_view(kv_cache, self.head_size)
+        if self.config.pcp_size > 1 and not (meta.local_rows_fed and query.shape[0] == n):
+            raise PCPRowsNotSelected(
+                f"PCP rank {self.pcp_rank}: the layer got {query.shape[0]} rows, this step's "
+                f"metadata has {n} local rows and local_rows_fed={meta.local_rows_fed}: the PCP "
+                "model runner (PCPCPUModelRunner._model_forward) did not select this rank's "
+                "rows; is the vLLM runner still calling _model_forward (vLLM 0.32)?")
+        if kv_cache is not self._kv_cache:  # the same tensor every step: view it once
+            if kv_cache.shape[2] != meta.block_size:
+                raise RuntimeError(f"KV cache block size {kv_cache.shape[2]} != metadata block "
+                                   f"size {meta.block_size}")
+            self._kv_cache, self._kv_view = kv_cache, kv_cache_view(kv_cache, self.head_size)
+        cache = self._kv_view
         rows = meta.row_idx
         if rows is None:
-            self.inner.forward(layer, query[:n], key[:n], value[:n], cache, meta.inner,
-                               output=output[:n], output_scale=output_scale,
-                               output_block_scale=output_block_scale)
+            if n != query.shape[0]:  # padded batch: the real rows only
+                query, key, value, output_rows = query[:n], key[:n], value[:n], output[:n]
+            else:
+                output_rows = output
+            self.inner.forward(layer, query, key, value, cache, meta.inner, output=output_rows,
+                               output_scale=output_scale, output_block_scale=output_block_scale)
             return output
         out = torch.empty_like(output[:n])
         self.inner.forward(layer, query[rows], key[rows], value[rows], cache, meta.inner,

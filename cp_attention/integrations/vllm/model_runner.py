@@ -10,6 +10,9 @@ of each request, and, for requests with prompt logprobs, ``hidden_states[:num_to
 (``:3589``). Only those rows are gathered: one all-gather over the PCP group of
 ``[wanted rows, hidden + 1]`` (hidden row, or zeros, and a "held here" flag); each wanted row is
 taken from the first rank that holds it. Every other row of the returned tensor is zero.
+Before running the model it marks the step's metadata (``CPVllmMetadata.local_rows_fed``);
+the impl refuses a PCP step without that mark (:class:`~.backend.PCPRowsNotSelected`), so a vLLM
+whose runner stopped calling ``_model_forward`` fails instead of attending the wrong rows.
 
 Private vLLM names relied on (vLLM 0.32.0): ``GPUModelRunner._model_forward`` (override),
 ``GPUModelRunner.num_prompt_logprobs`` (runner dict, ``gpu_model_runner.py:686``),
@@ -36,12 +39,10 @@ from cp_attention.comm import Communicator
 from cp_attention.integrations.vllm import LOGGER_NAME
 from cp_attention.integrations.vllm.adapter import (local_input_rows, pack_held_rows,
                                                     pick_held_rows, rows_holding)
-from cp_attention.integrations.vllm.backend import ENV_FAULT, CPVllmMetadata
+from cp_attention.integrations.vllm.backend import CPVllmMetadata
 
 log = logging.getLogger(LOGGER_NAME)
 ENV_CHECK_TOKENS = "CP_ATTENTION_VLLM_CHECK_TOKENS"
-FAULT_SKIP_RESTORE = "skip_hidden_restore"  # negative control: no hidden states restored
-FAULT_PERTURB_TOKENS = "perturb_tokens"  # PCP rank 1 reports a different token to the check
 
 
 class PCPTokenMismatch(RuntimeError):
@@ -57,13 +58,11 @@ class RestoreStats:
     bytes_all_rows: int = 0  # what gathering every local row would have sent
 
 
-def _our_metadata(attn_metadata) -> CPVllmMetadata | None:
-    """The cp_attention metadata of this step (any layer: rows do not depend on the layer)."""
-    if isinstance(attn_metadata, dict):
-        for meta in attn_metadata.values():
-            if isinstance(meta, CPVllmMetadata):
-                return meta
-    return None
+def _our_metadata(attn_metadata) -> list[CPVllmMetadata]:
+    """The cp_attention metadata objects of this step (rows do not depend on the layer)."""
+    if not isinstance(attn_metadata, dict):
+        return []
+    return [meta for meta in attn_metadata.values() if isinstance(meta, CPVllmMetadata)]
 
 
 class PCPCPUModelRunner(CPUModelRunner):
@@ -75,27 +74,24 @@ class PCPCPUModelRunner(CPUModelRunner):
         self.pcp_comm = Communicator()
         self.restore_stats = RestoreStats()
         self.check_tokens = os.environ.get(ENV_CHECK_TOKENS, "0") == "1"
-        self.fault = os.environ.get(ENV_FAULT, "")
         self.sample_step = 0
         log.info("cp_attention PCP model runner: pcp rank %d/%d, token check %s",
                  self.pcp_group.rank_in_group, self.pcp_group.world_size,
                  "on" if self.check_tokens else "off")
-        if self.fault in (FAULT_SKIP_RESTORE, FAULT_PERTURB_TOKENS):
-            log.warning("%s=%s: %s (test only)", ENV_FAULT, self.fault,
-                        "hidden states are NOT restored over PCP (wrong results)"
-                        if self.fault == FAULT_SKIP_RESTORE else
-                        "PCP rank 1 reports a wrong token to the token check")
 
     def _model_forward(self, input_ids: torch.Tensor | None = None,
                        positions: torch.Tensor | None = None, intermediate_tensors=None,
                        inputs_embeds: torch.Tensor | None = None, **model_kwargs):
         """Run the model on this rank's rows; return [num_rows, hidden] with the rows vLLM
         reads restored over the PCP group (input_ids [T] / inputs_embeds [T, E], positions [T])."""
-        meta = _our_metadata(get_forward_context().attn_metadata)
-        if meta is None:  # no attention metadata (profiling / dummy runs): all rows everywhere
+        metas = _our_metadata(get_forward_context().attn_metadata)
+        if not metas:  # no attention metadata (profiling / dummy runs): all rows everywhere
             return super()._model_forward(input_ids, positions, intermediate_tensors,
                                           inputs_embeds, **model_kwargs)
+        meta = metas[0]
         token_idx, local_positions = local_input_rows(meta.inner)
+        for each in metas:  # the handshake the impl checks on every PCP layer call
+            each.local_rows_fed = True
         hidden = super()._model_forward(
             input_ids[token_idx] if input_ids is not None else None,
             local_positions.to(positions.device, positions.dtype),
@@ -114,10 +110,6 @@ class PCPCPUModelRunner(CPUModelRunner):
             wanted = meta.last_token_idx
         held = rows_holding(meta.inner, wanted)
         out = hidden.new_zeros((num_rows, hidden.shape[-1]))
-        if self.fault == FAULT_SKIP_RESTORE:  # negative control: keep only this rank's rows
-            mine = held >= 0
-            out[wanted[mine]] = hidden[held[mine]]
-            return out
         world = self.pcp_group.world_size
         packed = pack_held_rows(hidden, held)
         before = self.pcp_comm.total_bytes
@@ -143,15 +135,17 @@ class PCPCPUModelRunner(CPUModelRunner):
         self.sample_step += 1
         return output
 
+    @staticmethod
+    def _sampled_tokens(output) -> list[list[int]] | None:
+        """Token ids this rank sampled, one list per request (None: the step sampled none)."""
+        sampled = getattr(output, "sampled_token_ids", None)
+        return None if sampled is None else [[int(t) for t in req] for req in sampled]
+
     def _check_same_tokens(self, output) -> None:
         """Raise :class:`PCPTokenMismatch` unless every PCP rank sampled the same tokens."""
-        sampled = getattr(output, "sampled_token_ids", None)
-        if sampled is None:
+        tokens = self._sampled_tokens(output)
+        if tokens is None:
             return
-        tokens = [[int(t) for t in req] for req in sampled]
-        rank = self.pcp_group.rank_in_group
-        if self.fault == FAULT_PERTURB_TOKENS and rank == 1 and tokens and tokens[0]:
-            tokens[0][0] += 1
         everyone: list = [None] * self.pcp_group.world_size
         dist.all_gather_object(everyone, tokens, group=self.pcp_group.cpu_group)
         for other, theirs in enumerate(everyone):
