@@ -13,6 +13,8 @@ import time
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._pytree import tree_leaves
 
 from cp_attention.ops import CpuOps, ReferenceOps, get_ops
 from cp_attention.ops.cpu_build import STALE_LOCK_S, clear_stale_lock, load_cpu_extension
@@ -370,3 +372,54 @@ def test_merge_attn_states_other_dtypes_use_the_torch_merge(ops):
         out, _ = ops.merge_attn_states(out_a, lse_a, out_b, lse_b)
         ref, _ = ReferenceOps().merge_attn_states(out_a, lse_a, out_b, lse_b)
         assert out.dtype == dtype and torch.equal(out, ref)
+
+
+def _op_samples(gen: torch.Generator) -> dict[str, tuple]:
+    """Small arguments of each torch.ops.cp_attention op (2 requests, GQA 2, D 16)."""
+    q = torch.randn(3, 4, 16, generator=gen)
+    kc, vc = torch.randn(2, 4, 8, 2, 16, generator=gen).unbind(0)
+    table = torch.tensor([[2, 0], [1, 3]], dtype=torch.int32)
+    cu, lens = torch.tensor([0, 1, 3], dtype=torch.int32), torch.tensor([5, 12], dtype=torch.int32)
+    key, value = torch.randn(2, 3, 2, 16, generator=gen).unbind(0)
+    slots = torch.tensor([4, -1, 30])
+    part = (torch.randn(3, 4, 16, generator=gen), torch.randn(3, 4, generator=gen))
+    cu_k = torch.tensor([0, 5, 12], dtype=torch.int32)
+    k, v = torch.randn(2, 12, 2, 16, generator=gen).unbind(0)
+    return {
+        "paged_attention": (q, kc, vc, table, cu, lens, 0.25, None, torch.tensor([3, 9, 12])),
+        "merge_attn_states": (*part, part[0] * 2, part[1] - 1),
+        "reshape_and_cache": (key, value, kc.clone(), vc.clone(), slots),
+        "cache_and_paged_attention": (q, key, value, kc.clone(), vc.clone(), slots, table, cu,
+                                      lens, 0.25, None, None),
+        "varlen_attention": (q, k, v, cu, cu_k, 0.25, True, 0, torch.tensor([4, 7])),
+    }
+
+
+@pytest.mark.parametrize("name", ["paged_attention", "merge_attn_states", "reshape_and_cache",
+                                  "cache_and_paged_attention", "varlen_attention"])
+def test_ops_are_registered_and_trace(ops, name):
+    """Each kernel is a torch operator with a schema and a Meta kernel: opcheck (schema,
+    fake tensors, AOT dispatch with dynamic shapes) passes, and make_fx traces a call into one
+    graph node whose output shapes match the real call's."""
+    op = getattr(torch.ops.cp_attention, name)
+    args = _op_samples(torch.Generator().manual_seed(4))[name]
+    torch.library.opcheck(op, args)
+    graph = make_fx(lambda *a: op(*a), tracing_mode="symbolic")(*args)
+    assert [n.target for n in graph.graph.nodes if n.op == "call_function"
+            and "cp_attention" in str(n.target)] == [op.default]
+    assert [t.shape for t in tree_leaves(graph(*args)) if t is not None] == \
+        [t.shape for t in tree_leaves(op(*args)) if t is not None]
+
+
+def test_cpu_ops_compile_fullgraph(ops):
+    """CpuOps' calls trace as one graph under torch.compile (no graph break at the kernels)."""
+    q, kc, vc, table, cu, lens, _, _, kv_end = _op_samples(
+        torch.Generator().manual_seed(5))["paged_attention"]
+
+    def layer(q):
+        out, lse = ops.paged_attention(q, kc, vc, table, cu, lens, scale=0.25, kv_end=kv_end)
+        return ops.merge_attn_states(out, lse, out, lse)
+
+    compiled = torch.compile(layer, fullgraph=True, backend="eager")
+    for got, want in zip(compiled(q), layer(q)):
+        torch.testing.assert_close(got, want)

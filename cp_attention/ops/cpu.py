@@ -1,17 +1,16 @@
 """Fast CPU implementation of :class:`~cp_attention.ops.interface.AttentionOps`.
 
-``paged_attention``, ``reshape_and_cache``, their fused ``cache_and_paged_attention`` and
-``merge_attn_states`` (float32 partials) run the C++ kernels of ``ops/csrc`` (built on first
-use by :mod:`cp_attention.ops.cpu_build`): the paged cache is read in place, in its own dtype,
-with float32 accumulation. ``varlen_attention`` uses the C++ prefill kernel when the extension
-has one, ``ReferenceOps`` otherwise. float64 inputs go to ``ReferenceOps`` (the oracle's
+``varlen_attention``, ``paged_attention``, ``reshape_and_cache``, their fused
+``cache_and_paged_attention`` and ``merge_attn_states`` (float32 partials) run the C++ kernels
+of ``ops/csrc``, the torch operators ``torch.ops.cp_attention.*`` (built by ``cp-attn build``
+or on first use, :mod:`cp_attention.ops.cpu_build`): the paged cache is read in place, in its
+own dtype, with float32 accumulation. float64 inputs go to ``ReferenceOps`` (the oracle's
 precision). Checks here are O(1) (shapes, dtypes); value checks are the caller's.
 """
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
+from torch._ops import _OpNamespace
 
 from cp_attention.ops.interface import AttentionOps
 from cp_attention.ops.merge import merge_attn_states
@@ -25,21 +24,23 @@ class CpuOps(AttentionOps):
 
     name = "cpu"
 
-    def __init__(self, extension: ModuleType):
-        self._ext = extension
+    def __init__(self, kernels: _OpNamespace):
+        """``kernels``: ``torch.ops.cp_attention`` (:func:`~cp_attention.ops.cpu_build.
+        load_cpu_extension`)."""
+        self._ext = kernels
         self._reference = ReferenceOps()
-        self._varlen = getattr(extension, "varlen_attention", None)
 
     def varlen_attention(self, q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal,
                          window=None, seqused_k=None):
-        if self._varlen is None or q.dtype not in _KERNEL_DTYPES or q.device.type != "cpu":
+        if q.dtype not in _KERNEL_DTYPES or q.device.type != "cpu":
             return self._reference.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                     scale=scale, causal=causal, window=window,
                                                     seqused_k=seqused_k)
         if window is not None and not causal:
             raise ValueError("a sliding window requires causal attention")
-        return self._varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, float(scale), bool(causal),
-                            0 if window is None else int(window), seqused_k)
+        return self._ext.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, float(scale),
+                                          bool(causal), 0 if window is None else int(window),
+                                          seqused_k)
 
     def paged_attention(self, q, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens,
                         *, scale, kv_start=None, kv_end=None):

@@ -1,5 +1,8 @@
 """Builds and loads the C++ CPU attention kernels (``ops/csrc/*.cpp``) once per machine.
 
+The library registers them as torch operators, ``torch.ops.cp_attention.*`` (schemas, CPU and
+Meta kernels: ``csrc/bindings.cpp``); :func:`load_cpu_extension` returns that namespace.
+
 ``cp-attn build`` (:func:`build_main`) compiles them ahead of time, so a server's first
 forward never compiles. Otherwise the first call compiles (the JIT fallback): every
 ``csrc/*.cpp`` into one extension with ``torch.utils.cpp_extension.load`` (:data:`BUILD_TIME`;
@@ -19,7 +22,6 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
-import importlib.util
 import logging
 import os
 import platform
@@ -27,9 +29,9 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from types import ModuleType
 
 import torch
+from torch._ops import _OpNamespace
 from torch.utils.cpp_extension import _get_build_directory, load
 
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
@@ -87,8 +89,9 @@ def _module_path(name: str) -> Path:
 
 
 @functools.cache
-def load_cpu_extension() -> ModuleType | None:
-    """The compiled kernels module, or None (forced reference, or the build failed)."""
+def load_cpu_extension() -> _OpNamespace | None:
+    """``torch.ops.cp_attention`` with the compiled kernels loaded, or None (forced reference,
+    or the build failed)."""
     if forced_reference():
         log.info("cp_attention: %s=reference: the C++ CPU kernels are off, the slower "
                  "pure-torch ReferenceOps run", FORCE_ENV)
@@ -112,28 +115,26 @@ def load_cpu_extension() -> ModuleType | None:
         return None
 
 
-def _compile(name: str, sources: list[Path], verbose: bool = False) -> ModuleType:
-    """Build (or rebuild) extension ``name`` through cpp_extension, after clearing a stale
-    lock; raises what the build raises."""
+def _compile(name: str, sources: list[Path], verbose: bool = False) -> _OpNamespace:
+    """Build (or rebuild) library ``name`` through cpp_extension and load it, after clearing a
+    stale lock; raises what the build raises."""
     clear_stale_lock(name)
-    return load(name=name, sources=[str(p) for p in sources],
-                extra_include_paths=[str(CSRC_DIR)], extra_cflags=_CFLAGS,
-                extra_ldflags=_LDFLAGS, verbose=verbose)
+    load(name=name, sources=[str(p) for p in sources], extra_include_paths=[str(CSRC_DIR)],
+         extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS, is_python_module=False, verbose=verbose)
+    return torch.ops.cp_attention
 
 
-def _load_built(name: str) -> ModuleType | None:
-    """The module if this exact build exists already: imported without cpp_extension's build
-    lock and ninja run (fast start, and no wait on a lock left by a killed process)."""
+def _load_built(name: str) -> _OpNamespace | None:
+    """The ops if this exact build exists already: loaded without cpp_extension's build lock
+    and ninja run (fast start, and no wait on a lock left by a killed process)."""
     path = _module_path(name)
     if not path.is_file():
         return None
     try:
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
+        torch.ops.load_library(str(path))
     except Exception:  # e.g. an interrupted link: rebuild through cpp_extension
         return None
+    return torch.ops.cp_attention
 
 
 def clear_stale_lock(name: str, max_age_s: float = STALE_LOCK_S) -> bool:

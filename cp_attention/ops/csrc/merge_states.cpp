@@ -1,15 +1,15 @@
-// One pass per row over both partials: m = max(lse_a, lse_b), w = exp(lse - m),
-// out = (w_a out_a + w_b out_b) / (w_a + w_b), lse = m + log(w_a + w_b). The torch version
-// (ops/merge.py) makes about ten full-size temporaries; this reads each input once.
+// One pass per row over both partials: the weights of attention_common.h's merge_weights,
+// out = w_a out_a + w_b out_b. The torch version (ops/merge.py) makes about ten full-size
+// temporaries; this reads each input once.
 #include "merge_states.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
-#include <cmath>
 #include <cstring>
-#include <limits>
+
+#include "attention_common.h"
 
 namespace {
 
@@ -47,25 +47,20 @@ std::tuple<at::Tensor, at::Tensor> merge_attn_states_cpu(const at::Tensor& out_a
   const int64_t ob_t = out_b.stride(0), ob_h = out_b.stride(1);
   const int64_t la_t = lse_a.stride(0), la_h = lse_a.stride(1);
   const int64_t lb_t = lse_b.stride(0), lb_h = lse_b.stride(1);
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   at::parallel_for(0, tokens * heads, 256, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const int64_t t = row / heads, h = row % heads;
-      const float lse_a_row = la[t * la_t + h * la_h], lse_b_row = lb[t * lb_t + h * lb_h];
-      const float m = std::max(lse_a_row, lse_b_row);
+      const float parts[2] = {la[t * la_t + h * la_h], lb[t * lb_t + h * lb_h]};
+      float w[2];
+      l[row] = cp_attention::merge_weights(parts, 1, 2, w);
       float* dst = o + row * dim;
-      if (m == kNegInf) {  // both parts empty (also keeps -inf - -inf out of exp)
+      if (l[row] == cp_attention::kNegInf) {  // both parts empty
         std::memset(dst, 0, dim * sizeof(float));
-        l[row] = kNegInf;
         continue;
       }
-      const float wa = std::exp(lse_a_row - m), wb = std::exp(lse_b_row - m);
-      const float total = wa + wb, inv = 1.0f / total;
-      const float ca = wa * inv, cb = wb * inv;
       const float* src_a = oa + t * oa_t + h * oa_h;
       const float* src_b = ob + t * ob_t + h * ob_h;
-      for (int64_t d = 0; d < dim; ++d) dst[d] = ca * src_a[d] + cb * src_b[d];
-      l[row] = m + std::log(total);
+      for (int64_t d = 0; d < dim; ++d) dst[d] = w[0] * src_a[d] + w[1] * src_b[d];
     }
   });
   return {out, lse};

@@ -13,14 +13,12 @@
 // their LSE at the end. Items are handed out dynamically to at::get_num_threads() workers.
 #include "paged_attention.h"
 
-#include <ATen/Parallel.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <atomic>
-#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -29,12 +27,11 @@
 namespace cp_attention {
 namespace {
 
-#define CP_INLINE inline __attribute__((always_inline))
-
 constexpr int kTileKeys = 32;          // keys per tile (never crosses a cache block)
 constexpr int64_t kRowsPerItem = 64;   // query rows (tokens x group heads) per work item
 constexpr int64_t kMinSplitKeys = 512;  // shortest key range worth its own work item
 constexpr int64_t kMaxItemRows = 256;   // query rows of all KV heads of an item (scratch)
+constexpr ScoreBase kBase = ScoreBase::kNatural;  // scores q . k * scale
 
 // Reads entries of an int32 or int64 2-D index tensor without converting it.
 struct IndexTable {
@@ -421,7 +418,8 @@ CP_INLINE void attend_tile(const PagedProblem& pb, Scratch& s, int64_t rows, int
         s.scores[j] = (pos >= s.lo[g]) & (pos < s.hi[g]) ? s.scores[j] : splat(kNegInf);
       }
     }
-    const vf8 alpha = softmax_tile(s.state[slot], s.scores, n);
+    const vf8 alpha =
+        softmax_tile<kBase>(s.state[slot], reinterpret_cast<float*>(s.scores), kLanes, n);
     float* acc = s.acc.data() + slot * kLanes * dim;
     for (int lane = 0; lane < lanes; ++lane) {
       const float f = alpha[lane];
@@ -434,9 +432,11 @@ CP_INLINE void attend_tile(const PagedProblem& pb, Scratch& s, int64_t rows, int
   }
 }
 
+// Not inlined into the work queue's loop: there the fp32 decode ran 1.3x slower (8/1 heads).
 template <typename scalar_t>
-void run_item(const PagedProblem& pb, const WorkItem& item, Scratch& s, float* out, float* lse,
-              float* part_out, float* part_lse, std::atomic<bool>& bad_block) {
+__attribute__((noinline)) void run_item(const PagedProblem& pb, const WorkItem& item,
+                                        Scratch& s, float* out, float* lse, float* part_out,
+                                        float* part_lse, std::atomic<bool>& bad_block) {
   const int64_t dim = pb.dim, group = pb.group, heads = item.num_heads;
   const int64_t tokens = item.t1 - item.t0;
   const int64_t rows = tokens * group;  // query rows of one KV head
@@ -528,10 +528,10 @@ void run_item(const PagedProblem& pb, const WorkItem& item, Scratch& s, float* o
         const int64_t t = item.t0 + r / group;
         const int64_t q_head = (item.head + h) * group + r % group;
         const int64_t o = t * pb.num_q_heads + q_head;
-        finalize_row(acc, m, l, dim, out + o * dim, lse + o);
+        finalize_row<kBase>(acc, m, l, dim, out + o * dim, lse + o);
       } else {
         const int64_t o = item.part_row + h * rows + r;
-        finalize_row(acc, m, l, dim, part_out + o * dim, part_lse + o);
+        finalize_row<kBase>(acc, m, l, dim, part_out + o * dim, part_lse + o);
       }
     }
   }
@@ -543,41 +543,18 @@ void merge_unit(const MergeUnit& u, int64_t group, int64_t num_q_heads, int64_t 
   const int64_t rows = (u.t1 - u.t0) * group;
   std::vector<float> weights(u.num_splits);
   for (int64_t r = 0; r < rows; ++r) {
-    float m = kNegInf;
-    for (int64_t sp = 0; sp < u.num_splits; ++sp)
-      m = std::max(m, part_lse[u.part_row + sp * u.split_stride + r]);
     const int64_t o = (u.t0 + r / group) * num_q_heads + u.head * group + r % group;
+    lse[o] = merge_weights(part_lse + u.part_row + r, u.split_stride, u.num_splits,
+                           weights.data());
     float* dst = out + o * dim;
-    if (m == kNegInf) {
-      std::memset(dst, 0, dim * sizeof(float));
-      lse[o] = kNegInf;
-      continue;
-    }
-    float total = 0.f;
-    for (int64_t sp = 0; sp < u.num_splits; ++sp) {
-      weights[sp] = std::exp(part_lse[u.part_row + sp * u.split_stride + r] - m);
-      total += weights[sp];
-    }
     std::memset(dst, 0, dim * sizeof(float));
     for (int64_t sp = 0; sp < u.num_splits; ++sp) {
-      const float w = weights[sp] / total;
+      const float w = weights[sp];
       if (w == 0.f) continue;
       const float* src = part_out + (u.part_row + sp * u.split_stride + r) * dim;
       for (int64_t d = 0; d < dim; ++d) dst[d] += w * src[d];
     }
-    lse[o] = m + std::log(total);
   }
-}
-
-// Runs `work(i)` for i in [0, n) on at::get_num_threads() workers, handing items out in order.
-template <typename F>
-void run_dynamic(int64_t n, const F& work) {
-  if (n == 0) return;
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), n);
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) work(i);
-  });
 }
 
 // The two caches of paged_attention_cpu / reshape_and_cache_cpu: one 4-D shape and dtype,
@@ -592,82 +569,91 @@ void check_cache_pair(const at::Tensor& key_cache, const at::Tensor& value_cache
                     "the caches' head_size dimension must be contiguous");
 }
 
-}  // namespace
-}  // namespace cp_attention
+// The sizes of a paged_attention_cpu call.
+struct PagedShape {
+  int64_t num_tokens, num_q_heads, dim, num_blocks, block_size, num_kv_heads, num_reqs;
+};
 
-using namespace cp_attention;
-
-std::tuple<at::Tensor, at::Tensor> paged_attention_cpu(
-    const at::Tensor& q_in, const at::Tensor& key_cache, const at::Tensor& value_cache,
-    const at::Tensor& block_table, const at::Tensor& cu_seqlens_q_in,
-    const at::Tensor& seq_lens_in, double scale, const std::optional<at::Tensor>& kv_start,
-    const std::optional<at::Tensor>& kv_end) {
-  TORCH_CHECK_VALUE(q_in.dim() == 3, "q must be [T, Hq, D], got ", q_in.sizes());
+// The O(1) checks of paged_attention_cpu's arguments (shapes, dtypes, devices).
+PagedShape check_paged(const at::Tensor& q, const at::Tensor& key_cache,
+                       const at::Tensor& value_cache, const at::Tensor& block_table,
+                       const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
+                       const std::optional<at::Tensor>& kv_start,
+                       const std::optional<at::Tensor>& kv_end) {
+  TORCH_CHECK_VALUE(q.dim() == 3, "q must be [T, Hq, D], got ", q.sizes());
   check_cache_pair(key_cache, value_cache);
-  TORCH_CHECK_VALUE(q_in.device().is_cpu() && key_cache.device().is_cpu() &&
+  TORCH_CHECK_VALUE(q.device().is_cpu() && key_cache.device().is_cpu() &&
                     value_cache.device().is_cpu(), "paged_attention_cpu takes CPU tensors");
-  const int64_t num_tokens = q_in.size(0), num_q_heads = q_in.size(1), dim = q_in.size(2);
-  const int64_t num_blocks = key_cache.size(0), block_size = key_cache.size(1);
-  const int64_t num_kv_heads = key_cache.size(2);
-  TORCH_CHECK_VALUE(key_cache.size(3) == dim, "head_size of q (", dim, ") != head_size of "
-                    "key_cache (", key_cache.size(3), ")");
-  TORCH_CHECK_VALUE(num_kv_heads >= 1 && num_q_heads % num_kv_heads == 0, "q heads (",
-                    num_q_heads, ") must be a multiple of key_cache heads (", num_kv_heads, ")");
+  const PagedShape shape{q.size(0), q.size(1), q.size(2), key_cache.size(0),
+                         key_cache.size(1), key_cache.size(2), block_table.size(0)};
+  TORCH_CHECK_VALUE(key_cache.size(3) == shape.dim, "head_size of q (", shape.dim,
+                    ") != head_size of key_cache (", key_cache.size(3), ")");
+  TORCH_CHECK_VALUE(shape.num_kv_heads >= 1 && shape.num_q_heads % shape.num_kv_heads == 0,
+                    "q heads (", shape.num_q_heads, ") must be a multiple of key_cache heads (",
+                    shape.num_kv_heads, ")");
   TORCH_CHECK_VALUE(block_table.dim() == 2 && (block_table.scalar_type() == at::kInt ||
                     block_table.scalar_type() == at::kLong),
                     "block_table must be a 2-D int32/int64 tensor");
-  const int64_t num_reqs = block_table.size(0);
-  TORCH_CHECK_VALUE(cu_seqlens_q_in.numel() == num_reqs + 1 && seq_lens_in.numel() == num_reqs,
-                    "block_table has ", num_reqs, " rows, cu_seqlens_q ",
-                    cu_seqlens_q_in.numel() - 1, " requests, seq_lens ", seq_lens_in.numel());
+  TORCH_CHECK_VALUE(cu_seqlens_q.numel() == shape.num_reqs + 1 &&
+                    seq_lens.numel() == shape.num_reqs,
+                    "block_table has ", shape.num_reqs, " rows, cu_seqlens_q ",
+                    cu_seqlens_q.numel() - 1, " requests, seq_lens ", seq_lens.numel());
   const auto kv_dtype = key_cache.scalar_type();
   TORCH_CHECK_VALUE(kv_dtype == at::kFloat || kv_dtype == at::kBFloat16 || kv_dtype == at::kHalf,
                     "paged_attention_cpu takes float32/bfloat16/float16 caches, got ", kv_dtype);
-
-  const at::Tensor q = q_in.to(at::kFloat).contiguous();
-  const at::Tensor cu_q = cu_seqlens_q_in.to(at::kLong).contiguous();
-  const at::Tensor lens = seq_lens_in.to(at::kLong).contiguous();
-  at::Tensor out = at::zeros({num_tokens, num_q_heads, dim}, q.options());
-  at::Tensor lse = at::full({num_tokens, num_q_heads}, kNegInf, q.options());
-  if (num_tokens == 0 || num_reqs == 0) return {out, lse};
-
-  const int64_t* cu = cu_q.data_ptr<int64_t>();
-  const int64_t* len = lens.data_ptr<int64_t>();
-  std::optional<at::Tensor> start, end;
   for (const auto* range : {&kv_start, &kv_end}) {
     if (range->has_value()) {
-      TORCH_CHECK_VALUE((*range)->numel() == num_tokens, "kv_start/kv_end need one entry per "
-                        "query token (", num_tokens, "), got ", (*range)->numel());
+      TORCH_CHECK_VALUE((*range)->numel() == shape.num_tokens, "kv_start/kv_end need one entry "
+                        "per query token (", shape.num_tokens, "), got ", (*range)->numel());
     }
   }
-  if (kv_start.has_value()) start = kv_start->to(at::kLong).contiguous();
-  if (kv_end.has_value()) end = kv_end->to(at::kLong).contiguous();
+  return shape;
+}
 
-  // Per-token visible range, clipped to [0, seq_len), and the work plan.
-  std::vector<int64_t> row_lo(num_tokens, 0), row_hi(num_tokens, 0);
-  const int64_t group = num_q_heads / num_kv_heads;
+// The work of one call: each token's visible key range, the work items and the merges of
+// split key ranges.
+struct PagedPlan {
+  std::vector<int64_t> row_lo, row_hi;  // [T] visible keys of each token, clipped to seq_len
+  std::vector<WorkItem> items;
+  std::vector<MergeUnit> merges;
+  int64_t part_rows = 0;   // rows of the partial buffers
+  int64_t max_groups = 1;  // lane groups of the largest item (scratch size)
+};
+
+// Plans the items (checking the values of cu_seqlens_q and seq_lens): query tokens in chunks
+// of kRowsPerItem rows; KV heads together where the cache interleaves them; key ranges split
+// so that every thread gets work.
+PagedPlan plan_paged(const PagedShape& shape, const at::Tensor& key_cache,
+                     const at::Tensor& value_cache, int64_t max_blocks_per_req,
+                     const int64_t* cu, const int64_t* len, const int64_t* start,
+                     const int64_t* end) {
+  const int64_t num_tokens = shape.num_tokens, num_kv_heads = shape.num_kv_heads;
+  PagedPlan plan;
+  plan.row_lo.assign(num_tokens, 0);
+  plan.row_hi.assign(num_tokens, 0);
+  const int64_t group = shape.num_q_heads / num_kv_heads;
   const int64_t tokens_per_item = std::max<int64_t>(1, kRowsPerItem / group);
   struct Unit { int64_t req, t0, t1, k0, k1; };
   std::vector<Unit> units;
   int64_t total_keys = 0;
-  for (int64_t r = 0; r < num_reqs; ++r) {
+  for (int64_t r = 0; r < shape.num_reqs; ++r) {
     const int64_t qs = cu[r], qe = cu[r + 1], seq_len = len[r];
     TORCH_CHECK_VALUE(0 <= qs && qs <= qe && qe <= num_tokens, "cu_seqlens_q[", r, ":", r + 2,
                       "] = [", qs, ", ", qe, "] is not a range of the ", num_tokens, " query rows");
-    TORCH_CHECK_VALUE(0 <= seq_len && seq_len <= block_table.size(1) * block_size,
-                      "seq_lens[", r, "] = ", seq_len, " does not fit ", block_table.size(1),
-                      " blocks of ", block_size);
+    TORCH_CHECK_VALUE(0 <= seq_len && seq_len <= max_blocks_per_req * shape.block_size,
+                      "seq_lens[", r, "] = ", seq_len, " does not fit ", max_blocks_per_req,
+                      " blocks of ", shape.block_size);
     for (int64_t t = qs; t < qe; ++t) {
-      row_lo[t] = start ? std::clamp<int64_t>(start->data_ptr<int64_t>()[t], 0, seq_len) : 0;
-      row_hi[t] = end ? std::clamp<int64_t>(end->data_ptr<int64_t>()[t], 0, seq_len) : seq_len;
+      plan.row_lo[t] = start ? std::clamp<int64_t>(start[t], 0, seq_len) : 0;
+      plan.row_hi[t] = end ? std::clamp<int64_t>(end[t], 0, seq_len) : seq_len;
     }
     for (int64_t t0 = qs; t0 < qe; t0 += tokens_per_item) {
       const int64_t t1 = std::min(qe, t0 + tokens_per_item);
       int64_t k0 = seq_len, k1 = 0;
       for (int64_t t = t0; t < t1; ++t) {
-        if (row_lo[t] < row_hi[t]) {
-          k0 = std::min(k0, row_lo[t]);
-          k1 = std::max(k1, row_hi[t]);
+        if (plan.row_lo[t] < plan.row_hi[t]) {
+          k0 = std::min(k0, plan.row_lo[t]);
+          k1 = std::max(k1, plan.row_hi[t]);
         }
       }
       if (k0 >= k1) continue;  // rows stay 0 / -inf
@@ -684,9 +670,6 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cpu(
   const int64_t split_keys = threads > 1
       ? std::max<int64_t>(kMinSplitKeys, (total_keys + 4 * threads - 1) / (4 * threads))
       : std::numeric_limits<int64_t>::max();
-  std::vector<WorkItem> items;
-  std::vector<MergeUnit> merges;
-  int64_t part_rows = 0, max_groups = 1;
   for (const Unit& u : units) {
     const int64_t rows = (u.t1 - u.t0) * group;
     const int64_t heads = heads_interleaved
@@ -696,56 +679,36 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cpu(
     const int64_t chunk = (keys + splits - 1) / splits;
     for (int64_t h0 = 0; h0 < num_kv_heads; h0 += heads) {
       const int64_t nh = std::min(heads, num_kv_heads - h0);
-      max_groups = std::max(max_groups, nh * ((rows + kLanes - 1) / kLanes));
+      plan.max_groups = std::max(plan.max_groups, nh * ((rows + kLanes - 1) / kLanes));
       if (splits == 1) {
-        items.push_back({u.req, h0, nh, u.t0, u.t1, u.k0, u.k1, -1});
+        plan.items.push_back({u.req, h0, nh, u.t0, u.t1, u.k0, u.k1, -1});
         continue;
       }
       for (int64_t h = 0; h < nh; ++h)
-        merges.push_back({h0 + h, u.t0, u.t1, part_rows + h * rows, splits, nh * rows});
+        plan.merges.push_back({h0 + h, u.t0, u.t1, plan.part_rows + h * rows, splits, nh * rows});
       for (int64_t sp = 0; sp < splits; ++sp) {
-        items.push_back({u.req, h0, nh, u.t0, u.t1, u.k0 + sp * chunk,
-                         std::min(u.k1, u.k0 + (sp + 1) * chunk), part_rows});
-        part_rows += nh * rows;
+        plan.items.push_back({u.req, h0, nh, u.t0, u.t1, u.k0 + sp * chunk,
+                              std::min(u.k1, u.k0 + (sp + 1) * chunk), plan.part_rows});
+        plan.part_rows += nh * rows;
       }
     }
   }
+  return plan;
+}
 
-  std::vector<float> part_out(part_rows * dim), part_lse(part_rows);
-  const PagedProblem pb{
-      q.data_ptr<float>(),
-      static_cast<const char*>(key_cache.data_ptr()),
-      static_cast<const char*>(value_cache.data_ptr()),
-      key_cache.element_size(),
-      {key_cache.stride(0), key_cache.stride(1), key_cache.stride(2)},
-      {value_cache.stride(0), value_cache.stride(1), value_cache.stride(2)},
-      IndexTable(block_table),
-      block_size,
-      num_blocks,
-      row_lo.data(),
-      row_hi.data(),
-      num_q_heads,
-      group,
-      dim,
-      static_cast<float>(scale)};
-  float* out_ptr = out.data_ptr<float>();
-  float* lse_ptr = lse.data_ptr<float>();
+// Runs the plan's items on the caches' dtype, then the merges; out/lse [T, Hq(, D)] float32.
+void run_paged(const PagedProblem& pb, const PagedPlan& plan, at::ScalarType kv_dtype,
+               float* out, float* lse) {
+  std::vector<float> part_out(plan.part_rows * pb.dim), part_lse(plan.part_rows);
   std::atomic<bool> bad_block{false};
-
+  const int64_t num_items = static_cast<int64_t>(plan.items.size());
   const auto run_all = [&](auto type_tag) {
     using scalar_t = decltype(type_tag);
-    const int64_t workers = std::min<int64_t>(threads, static_cast<int64_t>(items.size()));
-    std::vector<std::unique_ptr<Scratch>> scratch(std::max<int64_t>(workers, 1));
-    std::atomic<int64_t> next{0};
-    at::parallel_for(0, workers, 1, [&](int64_t w0, int64_t) {
-      auto& s = scratch[w0];
-      if (!s) s = std::make_unique<Scratch>(max_groups, dim);
-      for (int64_t i = next.fetch_add(1); i < static_cast<int64_t>(items.size());
-           i = next.fetch_add(1)) {
-        run_item<scalar_t>(pb, items[i], *s, out_ptr, lse_ptr, part_out.data(),
-                           part_lse.data(), bad_block);
-      }
-    });
+    run_queue(num_items, [&] { return Scratch(plan.max_groups, pb.dim); },
+              [&](int64_t i, Scratch& s) {
+                run_item<scalar_t>(pb, plan.items[i], s, out, lse, part_out.data(),
+                                   part_lse.data(), bad_block);
+              });
   };
   if (kv_dtype == at::kFloat) {
     run_all(float{});
@@ -754,12 +717,57 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cpu(
   } else {
     run_all(c10::Half{});
   }
-  TORCH_CHECK_INDEX(!bad_block.load(), "block_table holds a block id outside [0, ", num_blocks,
-                    ")");
-  run_dynamic(static_cast<int64_t>(merges.size()), [&](int64_t i) {
-    merge_unit(merges[i], group, num_q_heads, dim, part_out.data(), part_lse.data(), out_ptr,
-               lse_ptr);
+  TORCH_CHECK_INDEX(!bad_block.load(), "block_table holds a block id outside [0, ",
+                    pb.num_blocks, ")");
+  run_queue(static_cast<int64_t>(plan.merges.size()), [] { return 0; }, [&](int64_t i, int) {
+    merge_unit(plan.merges[i], pb.group, pb.num_q_heads, pb.dim, part_out.data(),
+               part_lse.data(), out, lse);
   });
+}
+
+}  // namespace
+}  // namespace cp_attention
+
+using namespace cp_attention;
+
+std::tuple<at::Tensor, at::Tensor> paged_attention_cpu(
+    const at::Tensor& q_in, const at::Tensor& key_cache, const at::Tensor& value_cache,
+    const at::Tensor& block_table, const at::Tensor& cu_seqlens_q_in,
+    const at::Tensor& seq_lens_in, double scale, const std::optional<at::Tensor>& kv_start,
+    const std::optional<at::Tensor>& kv_end) {
+  const PagedShape shape = check_paged(q_in, key_cache, value_cache, block_table,
+                                       cu_seqlens_q_in, seq_lens_in, kv_start, kv_end);
+  const at::Tensor q = q_in.to(at::kFloat).contiguous();
+  at::Tensor out = at::zeros({shape.num_tokens, shape.num_q_heads, shape.dim}, q.options());
+  at::Tensor lse = at::full({shape.num_tokens, shape.num_q_heads}, kNegInf, q.options());
+  if (shape.num_tokens == 0 || shape.num_reqs == 0) return {out, lse};
+
+  const at::Tensor cu_q = cu_seqlens_q_in.to(at::kLong).contiguous();
+  const at::Tensor lens = seq_lens_in.to(at::kLong).contiguous();
+  std::optional<at::Tensor> start, end;
+  if (kv_start.has_value()) start = kv_start->to(at::kLong).contiguous();
+  if (kv_end.has_value()) end = kv_end->to(at::kLong).contiguous();
+  const PagedPlan plan = plan_paged(
+      shape, key_cache, value_cache, block_table.size(1), cu_q.data_ptr<int64_t>(),
+      lens.data_ptr<int64_t>(), start ? start->data_ptr<int64_t>() : nullptr,
+      end ? end->data_ptr<int64_t>() : nullptr);
+  const PagedProblem pb{
+      q.data_ptr<float>(),
+      static_cast<const char*>(key_cache.data_ptr()),
+      static_cast<const char*>(value_cache.data_ptr()),
+      key_cache.element_size(),
+      {key_cache.stride(0), key_cache.stride(1), key_cache.stride(2)},
+      {value_cache.stride(0), value_cache.stride(1), value_cache.stride(2)},
+      IndexTable(block_table),
+      shape.block_size,
+      shape.num_blocks,
+      plan.row_lo.data(),
+      plan.row_hi.data(),
+      shape.num_q_heads,
+      shape.num_q_heads / shape.num_kv_heads,
+      shape.dim,
+      static_cast<float>(scale)};
+  run_paged(pb, plan, key_cache.scalar_type(), out.data_ptr<float>(), lse.data_ptr<float>());
   return {out, lse};
 }
 

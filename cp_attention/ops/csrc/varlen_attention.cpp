@@ -10,116 +10,30 @@
 // row's range boundary are masked. Each K/V tile is read once for the whole query group.
 // Float32 K/V with contiguous rows are read in place; bf16 / fp16 / strided rows are converted
 // tile by tile into a small float32 buffer (never the whole tensor). Work items are sorted by
-// cost and handed out dynamically to at::get_num_threads() threads.
+// cost and handed out dynamically to at::get_num_threads() threads. Vectors, exp2, the
+// conversions, the softmax state and the work queue are attention_common.h's.
 #include "varlen_attention.h"
 
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+
 #include <algorithm>
-#include <atomic>
-#include <cmath>
 #include <cstdint>
-#include <cstring>
-#include <limits>
+#include <type_traits>
 #include <vector>
 
-#include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
+#include "attention_common.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define CPA_VARLEN_AVX2 1
-#endif
-
+namespace cp_attention {
 namespace {
 
-constexpr int64_t kLanes = 8;         // floats per vector
 constexpr int kRowBlock = 6;          // micro-kernel rows (accumulator rows in registers)
 constexpr int64_t kColBlock = 16;     // micro-kernel columns (two vectors)
 constexpr int64_t kBlockK = 96;       // keys per tile
 constexpr int64_t kTargetRows = 192;  // query rows (tokens x group heads) per work item
-constexpr float kLn2 = 0.6931471805599453f;
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr ScoreBase kBase = ScoreBase::kTwo;  // scores q . k * scale * log2(e)
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-
-// ---------------------------------------------------------------------------------------------
-// 8-float vector: AVX2 when compiled for it, a plain array otherwise (same semantics).
-#ifdef CPA_VARLEN_AVX2
-using Vec = __m256;
-inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline void vstore(float* p, Vec x) { _mm256_storeu_ps(p, x); }
-inline Vec vset(float x) { return _mm256_set1_ps(x); }
-inline Vec vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
-inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
-inline Vec vsub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
-inline Vec vmax(Vec a, Vec b) { return _mm256_max_ps(a, b); }
-// a where lo <= key <= hi, -inf elsewhere
-inline Vec vmask_range(Vec a, Vec key, Vec lo, Vec hi) {
-  Vec keep = _mm256_and_ps(_mm256_cmp_ps(key, hi, _CMP_LE_OQ), _mm256_cmp_ps(key, lo, _CMP_GE_OQ));
-  return _mm256_blendv_ps(vset(kNegInf), a, keep);
-}
-// 0 where a == -inf, a elsewhere
-inline Vec vzero_neginf(Vec a) {
-  return _mm256_andnot_ps(_mm256_cmp_ps(a, vset(kNegInf), _CMP_EQ_OQ), a);
-}
-// 2^x for x <= 0 (x < -125, -inf and NaN give 0): Cephes exp2f polynomial on [-0.5, 0.5].
-inline Vec vexp2(Vec x) {
-  const Vec valid = _mm256_cmp_ps(x, vset(-125.0f), _CMP_GE_OQ);
-  x = _mm256_min_ps(_mm256_max_ps(x, vset(-125.0f)), vset(125.0f));
-  const Vec xi = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const Vec f = vsub(x, xi);
-  Vec p = vset(1.535336188319500e-4f);
-  p = vfma(p, f, vset(1.339887440266574e-3f));
-  p = vfma(p, f, vset(9.618437357674640e-3f));
-  p = vfma(p, f, vset(5.550332471162809e-2f));
-  p = vfma(p, f, vset(2.402264791363012e-1f));
-  p = vfma(p, f, vset(6.931472028550421e-1f));
-  p = vfma(p, f, vset(1.0f));
-  const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(xi), 23);
-  const Vec r = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
-  return _mm256_and_ps(r, valid);
-}
-#else
-struct Vec {
-  float x[kLanes];
-};
-inline Vec vload(const float* p) { Vec r; std::memcpy(r.x, p, sizeof(r.x)); return r; }
-inline void vstore(float* p, Vec a) { std::memcpy(p, a.x, sizeof(a.x)); }
-inline Vec vset(float s) { Vec r; for (auto& e : r.x) e = s; return r; }
-inline Vec vbroadcast(const float* p) { return vset(*p); }
-#define CPA_VARLEN_ELEMENTWISE(name, expr)                         \
-  inline Vec name(Vec a, Vec b) {                                  \
-    Vec r;                                                         \
-    for (int64_t i = 0; i < kLanes; ++i) r.x[i] = (expr);          \
-    return r;                                                      \
-  }
-CPA_VARLEN_ELEMENTWISE(vmul, a.x[i] * b.x[i])
-CPA_VARLEN_ELEMENTWISE(vadd, a.x[i] + b.x[i])
-CPA_VARLEN_ELEMENTWISE(vsub, a.x[i] - b.x[i])
-CPA_VARLEN_ELEMENTWISE(vmax, std::max(a.x[i], b.x[i]))
-#undef CPA_VARLEN_ELEMENTWISE
-inline Vec vfma(Vec a, Vec b, Vec c) {
-  for (int64_t i = 0; i < kLanes; ++i) c.x[i] = std::fma(a.x[i], b.x[i], c.x[i]);
-  return c;
-}
-inline Vec vmask_range(Vec a, Vec key, Vec lo, Vec hi) {
-  for (int64_t i = 0; i < kLanes; ++i)
-    if (!(key.x[i] <= hi.x[i] && key.x[i] >= lo.x[i])) a.x[i] = kNegInf;
-  return a;
-}
-inline Vec vzero_neginf(Vec a) {
-  for (auto& e : a.x) e = (e == kNegInf) ? 0.0f : e;
-  return a;
-}
-inline Vec vexp2(Vec a) {
-  for (auto& e : a.x) e = (e >= -125.0f) ? std::exp2(e) : 0.0f;
-  return a;
-}
-#endif
 
 // ---------------------------------------------------------------------------------------------
 // Micro-kernel: C[MR, 8 * NV] (=|+=) A[MR, kdim] B[kdim, 8 * NV].
@@ -129,23 +43,23 @@ template <int MR, int NV, bool ACC>
 inline void micro_kernel(const float* __restrict a, int64_t a_rs, int64_t a_ks,
                          const float* __restrict b, int64_t b_ks, float* __restrict c,
                          int64_t c_rs, int64_t kdim, const float* __restrict row_scale) {
-  Vec acc[MR][NV];
+  vf8 acc[MR][NV];
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) {
-    const Vec s = ACC ? vset(row_scale[r]) : vset(0.0f);
+    const vf8 s = ACC ? splat(row_scale[r]) : splat(0.0f);
 #pragma GCC unroll 4
     for (int n = 0; n < NV; ++n)
-      acc[r][n] = ACC ? vmul(vload(c + r * c_rs + n * kLanes), s) : s;
+      acc[r][n] = ACC ? load8(c + r * c_rs + n * kLanes) * s : s;
   }
   for (int64_t k = 0; k < kdim; ++k) {
-    Vec bv[NV];
+    vf8 bv[NV];
 #pragma GCC unroll 4
-    for (int n = 0; n < NV; ++n) bv[n] = vload(b + n * kLanes);
+    for (int n = 0; n < NV; ++n) bv[n] = load8(b + n * kLanes);
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
-      const Vec av = vbroadcast(a + r * a_rs);
+      const vf8 av = splat(a[r * a_rs]);
 #pragma GCC unroll 4
-      for (int n = 0; n < NV; ++n) acc[r][n] = vfma(av, bv[n], acc[r][n]);
+      for (int n = 0; n < NV; ++n) acc[r][n] += av * bv[n];
     }
     a += a_ks;
     b += b_ks;
@@ -153,7 +67,7 @@ inline void micro_kernel(const float* __restrict a, int64_t a_rs, int64_t a_ks,
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
-    for (int n = 0; n < NV; ++n) vstore(c + r * c_rs + n * kLanes, acc[r][n]);
+    for (int n = 0; n < NV; ++n) store8(c + r * c_rs + n * kLanes, acc[r][n]);
 }
 
 template <int NV, bool ACC>
@@ -188,52 +102,6 @@ void small_gemm(int64_t rows, int64_t cols, const float* a, int64_t a_rs, int64_
     }
   }
 }
-
-// ---------------------------------------------------------------------------------------------
-// Row conversion to float32 (n elements, source stride `stride`).
-template <typename scalar_t>
-inline void row_to_float(const scalar_t* src, int64_t stride, float* dst, int64_t n) {
-  for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<float>(src[d * stride]);
-}
-
-template <>
-inline void row_to_float<float>(const float* src, int64_t stride, float* dst, int64_t n) {
-  if (stride == 1) {
-    std::memcpy(dst, src, n * sizeof(float));
-  } else {
-    for (int64_t d = 0; d < n; ++d) dst[d] = src[d * stride];
-  }
-}
-
-#ifdef CPA_VARLEN_AVX2
-template <>
-inline void row_to_float<c10::BFloat16>(const c10::BFloat16* src, int64_t stride, float* dst,
-                                        int64_t n) {
-  int64_t d = 0;
-  if (stride == 1) {
-    for (; d + kLanes <= n; d += kLanes) {
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d));
-      const __m256i wide = _mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16);
-      _mm256_storeu_ps(dst + d, _mm256_castsi256_ps(wide));
-    }
-  }
-  for (; d < n; ++d) dst[d] = static_cast<float>(src[d * stride]);
-}
-#endif
-
-#if defined(CPA_VARLEN_AVX2) && defined(__F16C__)
-template <>
-inline void row_to_float<c10::Half>(const c10::Half* src, int64_t stride, float* dst, int64_t n) {
-  int64_t d = 0;
-  if (stride == 1) {
-    for (; d + kLanes <= n; d += kLanes) {
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d));
-      _mm256_storeu_ps(dst + d, _mm256_cvtph_ps(raw));
-    }
-  }
-  for (; d < n; ++d) dst[d] = static_cast<float>(src[d * stride]);
-}
-#endif
 
 // ---------------------------------------------------------------------------------------------
 struct WorkItem {
@@ -272,8 +140,7 @@ struct Scratch {
   std::vector<float> q_t;      // [Dp, Mp]  Q^T, scaled
   std::vector<float> scores;   // [kBlockK, Mp]  S^T, then P^T
   std::vector<float> acc;      // [Mp, Dp]  unnormalized output rows
-  std::vector<float> row_max;  // [Mp] running max (log2 domain)
-  std::vector<float> row_sum;  // [Mp]
+  std::vector<SoftmaxState> state;  // [Mp / 8] running max (log2 domain) and sum of 8 rows
   std::vector<float> rescale;  // [Mp] alpha of the current tile
   std::vector<float> q_pos;    // [Mp] key position of each query row
   std::vector<float> q_lo;     // [Mp] first visible key position (window) or very negative
@@ -281,8 +148,8 @@ struct Scratch {
   std::vector<float> v_tile;   // [kBlockK, Dp]
   Scratch(int64_t max_rows, int64_t dp)
       : q_t(dp * round_up(max_rows, kLanes)), scores(kBlockK * round_up(max_rows, kLanes)),
-        acc(round_up(max_rows, kLanes) * dp), row_max(round_up(max_rows, kLanes)),
-        row_sum(round_up(max_rows, kLanes)), rescale(round_up(max_rows, kLanes)),
+        acc(round_up(max_rows, kLanes) * dp), state(round_up(max_rows, kLanes) / kLanes),
+        rescale(round_up(max_rows, kLanes)),
         q_pos(round_up(max_rows, kLanes)), q_lo(round_up(max_rows, kLanes)),
         k_tile(kBlockK * dp, 0.0f), v_tile(kBlockK * dp, 0.0f) {}
 };
@@ -301,36 +168,19 @@ inline KeyRange visible_keys(bool causal, int64_t window, int64_t nk, int64_t p_
   return {lo, std::max(lo, hi)};
 }
 
-// Online-softmax update over one tile of scores (in place: S^T -> P^T).
-// masked: apply causal / window bounds per (key, query row) before the max.
-void softmax_tile(Scratch& s, int64_t mp, int64_t kn, int64_t key0, bool masked) {
+// Online-softmax update over one tile of scores (in place: S^T -> P^T, alpha -> rescale).
+// masked: first hide the keys outside each query row's causal / window bounds.
+void mask_and_softmax(Scratch& s, int64_t mp, int64_t kn, int64_t key0, bool masked) {
   float* st = s.scores.data();
   for (int64_t i = 0; i < mp; i += kLanes) {
-    const Vec m_old = vload(s.row_max.data() + i);
-    Vec m_new = m_old;
     if (masked) {
-      const Vec hi = vload(s.q_pos.data() + i);
-      const Vec lo = vload(s.q_lo.data() + i);
+      const vf8 hi = load8(s.q_pos.data() + i), lo = load8(s.q_lo.data() + i);
       for (int64_t j = 0; j < kn; ++j) {
-        const Vec x = vmask_range(vload(st + j * mp + i), vset(static_cast<float>(key0 + j)),
-                                  lo, hi);
-        vstore(st + j * mp + i, x);
-        m_new = vmax(m_new, x);
+        const vf8 key = splat(static_cast<float>(key0 + j)), x = load8(st + j * mp + i);
+        store8(st + j * mp + i, (key >= lo) & (key <= hi) ? x : splat(kNegInf));
       }
-    } else {
-      for (int64_t j = 0; j < kn; ++j) m_new = vmax(m_new, vload(st + j * mp + i));
     }
-    const Vec m_use = vzero_neginf(m_new);  // all -inf so far: subtract 0, every p is 0
-    Vec sum = vset(0.0f);
-    for (int64_t j = 0; j < kn; ++j) {
-      const Vec p = vexp2(vsub(vload(st + j * mp + i), m_use));
-      vstore(st + j * mp + i, p);
-      sum = vadd(sum, p);
-    }
-    const Vec alpha = vexp2(vsub(m_old, m_use));
-    vstore(s.rescale.data() + i, alpha);
-    vstore(s.row_sum.data() + i, vfma(vload(s.row_sum.data() + i), alpha, sum));
-    vstore(s.row_max.data() + i, m_new);
+    store8(s.rescale.data() + i, softmax_tile<kBase>(s.state[i / kLanes], st + i, mp, kn));
   }
 }
 
@@ -359,9 +209,8 @@ void attend_item(const Problem<scalar_t>& pr, const WorkItem& w, Scratch& s) {
     const int64_t pos = std::min(p_lo + i / group, p_hi);
     s.q_pos[i] = static_cast<float>(pos);
     s.q_lo[i] = pr.window > 0 ? static_cast<float>(pos - pr.window + 1) : -3.0e38f;
-    s.row_max[i] = kNegInf;
-    s.row_sum[i] = 0.0f;
   }
+  std::fill(s.state.begin(), s.state.begin() + mp / kLanes, SoftmaxState());
   float* acc = s.acc.data();
   std::fill(acc, acc + mp * dp, 0.0f);
 
@@ -380,8 +229,8 @@ void attend_item(const Problem<scalar_t>& pr, const WorkItem& w, Scratch& s) {
       v_ld = pr.v_stride[0];
     } else {
       for (int64_t j = 0; j < kn; ++j) {
-        row_to_float(k_src + j * pr.k_stride[0], pr.k_stride[2], s.k_tile.data() + j * dp, dim);
-        row_to_float(v_src + j * pr.v_stride[0], pr.v_stride[2], s.v_tile.data() + j * dp, dim);
+        to_float(k_src + j * pr.k_stride[0], pr.k_stride[2], s.k_tile.data() + j * dp, dim);
+        to_float(v_src + j * pr.v_stride[0], pr.v_stride[2], s.v_tile.data() + j * dp, dim);
       }
       k_rows = s.k_tile.data();
       v_rows = s.v_tile.data();
@@ -391,7 +240,7 @@ void attend_item(const Problem<scalar_t>& pr, const WorkItem& w, Scratch& s) {
     small_gemm<false>(kn, mp, k_rows, k_ld, 1, q_t, mp, s.scores.data(), mp, dp, nullptr);
     const bool inside = !pr.causal || (k0 + kn - 1 <= p_lo &&
                                        (pr.window <= 0 || k0 >= p_hi - pr.window + 1));
-    softmax_tile(s, mp, kn, k0, !inside);
+    mask_and_softmax(s, mp, kn, k0, !inside);
     // O [rows, dp] = alpha * O + P V
     small_gemm<true>(rows, dp, s.scores.data(), 1, mp, v_rows, v_ld, acc, dp, kn,
                      s.rescale.data());
@@ -401,16 +250,10 @@ void attend_item(const Problem<scalar_t>& pr, const WorkItem& w, Scratch& s) {
     const int64_t token = q_begin + w.token_start + t;
     for (int64_t g = 0; g < group; ++g) {
       const int64_t i = t * group + g, head = first_head + g;
-      float* dst = pr.out + (token * pr.num_q_heads + head) * dim;
-      const float sum = s.row_sum[i];
-      if (sum > 0.0f) {
-        const float inv = 1.0f / sum;
-        for (int64_t d = 0; d < dim; ++d) dst[d] = acc[i * dp + d] * inv;
-        pr.lse[token * pr.num_q_heads + head] = (s.row_max[i] + std::log2(sum)) * kLn2;
-      } else {
-        std::fill(dst, dst + dim, 0.0f);
-        pr.lse[token * pr.num_q_heads + head] = kNegInf;
-      }
+      const int64_t o = token * pr.num_q_heads + head;
+      const SoftmaxState& st = s.state[i / kLanes];
+      finalize_row<kBase>(acc + i * dp, st.m[i % kLanes], st.l[i % kLanes], dim,
+                          pr.out + o * dim, pr.lse + o);
     }
   }
 }
@@ -432,29 +275,20 @@ void run_varlen(const Problem<scalar_t>& pr, int64_t num_requests, int64_t num_k
   std::stable_sort(items.begin(), items.end(),
                    [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
   const int64_t max_rows = tokens_per_item * pr.group;
-  const int64_t num_items = static_cast<int64_t>(items.size());
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), num_items);
-  if (threads <= 1) {
-    Scratch scratch(max_rows, pr.head_size_padded);
-    for (const WorkItem& w : items) attend_item(pr, w, scratch);
-    return;
-  }
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    Scratch scratch(max_rows, pr.head_size_padded);
-    for (int64_t idx = next.fetch_add(1); idx < num_items; idx = next.fetch_add(1))
-      attend_item(pr, items[idx], scratch);
-  });
+  run_queue(static_cast<int64_t>(items.size()),
+            [&] { return Scratch(max_rows, pr.head_size_padded); },
+            [&](int64_t i, Scratch& s) { attend_item(pr, items[i], s); });
 }
 
 std::vector<int64_t> offsets(const at::Tensor& cu, const char* name) {
-  TORCH_CHECK(cu.dim() == 1 && (cu.scalar_type() == at::kInt || cu.scalar_type() == at::kLong),
-              name, " must be a 1-D int32/int64 tensor");
+  TORCH_CHECK_VALUE(cu.dim() == 1 &&
+                    (cu.scalar_type() == at::kInt || cu.scalar_type() == at::kLong),
+                    name, " must be a 1-D int32/int64 tensor");
   const at::Tensor c = cu.to(at::kCPU, at::kLong).contiguous();
   std::vector<int64_t> bounds(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
-  TORCH_CHECK(!bounds.empty() && bounds[0] == 0, name, " must start at 0");
+  TORCH_CHECK_VALUE(!bounds.empty() && bounds[0] == 0, name, " must start at 0");
   for (size_t i = 1; i < bounds.size(); ++i)
-    TORCH_CHECK(bounds[i] >= bounds[i - 1], name, " must be non-decreasing");
+    TORCH_CHECK_VALUE(bounds[i] >= bounds[i - 1], name, " must be non-decreasing");
   return bounds;
 }
 
@@ -490,42 +324,45 @@ void launch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 }
 
 }  // namespace
+}  // namespace cp_attention
+
+using namespace cp_attention;
 
 std::tuple<at::Tensor, at::Tensor> varlen_attention_cpu(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, double scale, bool causal,
     int64_t window, const std::optional<at::Tensor>& seqused_k) {
-  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
-              "varlen_attention_cpu: tensors must be on the CPU");
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(),
-              "varlen_attention_cpu: q [Tq, Hq, D], k/v [Tk, Hkv, D] expected");
-  TORCH_CHECK(q.size(2) == k.size(2) && q.size(2) > 0 && k.size(1) > 0 && q.size(1) > 0 &&
-                  q.size(1) % k.size(1) == 0,
-              "varlen_attention_cpu: head sizes differ or Hq % Hkv != 0");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(),
-              "varlen_attention_cpu: q, k, v must share one dtype");
-  TORCH_CHECK(window <= 0 || causal, "varlen_attention_cpu: a sliding window needs causal");
-  TORCH_CHECK(k.size(0) < (int64_t{1} << 24),
-              "varlen_attention_cpu: key positions must stay below 2^24");
+  TORCH_CHECK_VALUE(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
+                    "varlen_attention_cpu: tensors must be on the CPU");
+  TORCH_CHECK_VALUE(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(),
+                    "varlen_attention_cpu: q [Tq, Hq, D], k/v [Tk, Hkv, D] expected");
+  TORCH_CHECK_VALUE(q.size(2) == k.size(2) && q.size(2) > 0 && k.size(1) > 0 && q.size(1) > 0 &&
+                        q.size(1) % k.size(1) == 0,
+                    "varlen_attention_cpu: head sizes differ or Hq % Hkv != 0");
+  TORCH_CHECK_VALUE(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(),
+                    "varlen_attention_cpu: q, k, v must share one dtype");
+  TORCH_CHECK_VALUE(window <= 0 || causal, "varlen_attention_cpu: a sliding window needs causal");
+  TORCH_CHECK_VALUE(k.size(0) < (int64_t{1} << 24),
+                    "varlen_attention_cpu: key positions must stay below 2^24");
   const std::vector<int64_t> cu_q = offsets(cu_seqlens_q, "cu_seqlens_q");
   const std::vector<int64_t> cu_k = offsets(cu_seqlens_k, "cu_seqlens_k");
-  TORCH_CHECK(cu_q.size() == cu_k.size() && !cu_q.empty() && cu_q.back() == q.size(0) &&
-                  cu_k.back() == k.size(0),
-              "varlen_attention_cpu: cu_seqlens do not match the tensors");
+  TORCH_CHECK_VALUE(cu_q.size() == cu_k.size() && !cu_q.empty() && cu_q.back() == q.size(0) &&
+                        cu_k.back() == k.size(0),
+                    "varlen_attention_cpu: cu_seqlens do not match the tensors");
   const int64_t num_requests = static_cast<int64_t>(cu_k.size()) - 1;
   std::vector<int64_t> nk(num_requests);
   for (int64_t r = 0; r < num_requests; ++r) nk[r] = cu_k[r + 1] - cu_k[r];
   if (seqused_k.has_value()) {  // request r attends the first seqused_k[r] keys of its range
     const at::Tensor& used_in = *seqused_k;
-    TORCH_CHECK(used_in.dim() == 1 && used_in.numel() == num_requests &&
-                    (used_in.scalar_type() == at::kInt || used_in.scalar_type() == at::kLong),
-                "varlen_attention_cpu: seqused_k must be a 1-D int32/int64 tensor of ",
-                num_requests, " requests");
+    TORCH_CHECK_VALUE(used_in.dim() == 1 && used_in.numel() == num_requests &&
+                          (used_in.scalar_type() == at::kInt || used_in.scalar_type() == at::kLong),
+                      "varlen_attention_cpu: seqused_k must be a 1-D int32/int64 tensor of ",
+                      num_requests, " requests");
     const at::Tensor used = used_in.to(at::kCPU, at::kLong).contiguous();
     const int64_t* u = used.data_ptr<int64_t>();
     for (int64_t r = 0; r < num_requests; ++r) {
-      TORCH_CHECK(u[r] >= 0 && u[r] <= nk[r], "varlen_attention_cpu: seqused_k[", r, "] = ",
-                  u[r], " outside [0, ", nk[r], "] (the request's cu_seqlens_k range)");
+      TORCH_CHECK_VALUE(u[r] >= 0 && u[r] <= nk[r], "varlen_attention_cpu: seqused_k[", r, "] = ",
+                        u[r], " outside [0, ", nk[r], "] (the request's cu_seqlens_k range)");
       nk[r] = u[r];
     }
   }
@@ -542,8 +379,8 @@ std::tuple<at::Tensor, at::Tensor> varlen_attention_cpu(
       launch<c10::Half>(q, k, v, cu_q, cu_k, nk, scale, causal, window, out, lse);
       break;
     default:
-      TORCH_CHECK(false, "varlen_attention_cpu: dtype must be float32, bfloat16 or float16, got ",
-                  q.scalar_type());
+      TORCH_CHECK_VALUE(false, "varlen_attention_cpu: dtype must be float32, bfloat16 or "
+                        "float16, got ", q.scalar_type());
   }
   return {out, lse};
 }
