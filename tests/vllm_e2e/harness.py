@@ -136,7 +136,8 @@ class ProcessGroup:
         return True
 
     def log(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text(errors="replace")
 
     def wait_gone(self, timeout_s: float) -> bool:
