@@ -7,6 +7,7 @@ import importlib.util
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -69,6 +70,71 @@ def test_torchrun_run_cp_cpu_and_auto(tmp_path):
             assert all(225 + 2 <= n <= 225 + 2 + 4 for n in rows), rows
         else:  # tp=2: both ranks compute every token for their heads
             assert rows == [454, 454]
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the process group of ``proc`` (started with ``start_new_session``), if alive."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+TWO_NODE_JOB = ["--pcp", "2", "--tp", "2", "--dcp", "2", "--prompt", "300", "--decode-steps", "2",
+                "--check", "--no-progress", "--timeout", "60"]
+
+
+def run_agents(tmp_path: Path, name: str, launches: list[list[str]]) -> list[str]:
+    """One torchrun agent per entry of ``launches`` (its torchrun flags), all running
+    ``run_cp.py TWO_NODE_JOB --json <name>.json``; each in its own process group, killed if
+    still alive after 180 s (a hang fails instead of blocking). Returns the agents' logs."""
+    out = tmp_path / f"{name}.json"
+    agents = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", *flags, str(ROOT / "launch" / "run_cp.py"),
+         *TWO_NODE_JOB, "--json", str(out)], cwd=tmp_path, env=env(), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True) for flags in launches]
+    logs = []
+    try:
+        for proc in agents:
+            logs.append(proc.communicate(timeout=180)[0])
+    finally:
+        for proc in agents:
+            kill_group(proc)
+    for i, (proc, log) in enumerate(zip(agents, logs)):
+        assert proc.returncode == 0, f"{name} agent {i}:\n{log}"
+    return logs
+
+
+@pytest.mark.parametrize("rendezvous", ["c10d", "static"])
+def test_torchrun_two_agents_pcp_across_nodes(tmp_path, rendezvous):
+    """Two torchrun agents on 127.0.0.1 (one per "node", 2 ranks each) form one world of
+    pcp=2 x tp=2 (dcp=2): PCP spans the nodes, TP/DCP stays inside each. The oracle check
+    passes on every rank, the ranks report two nodes, and every rank's rows, KV bytes and
+    errors equal those of the same job as 4 ranks on one node. c10d assigns the node ranks
+    itself (``--node-rank`` is ignored there); static uses --node-rank and the master's port."""
+    port = free_port()
+    if rendezvous == "c10d":
+        rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                "--rdzv-id", f"cp-test-{port}", "--rdzv-conf", "join_timeout=60"]
+    else:
+        rdzv = ["--master-addr", "127.0.0.1", "--master-port", str(port)]
+    logs = run_agents(tmp_path, "two", [["--nnodes", "2", "--node-rank", str(node),
+                                         "--nproc-per-node", "2", *rdzv] for node in (0, 1)])
+    log = next(log for log in logs if "run_cp: pcp=2 tp=2 dcp=2" in log)  # the rank-0 agent
+    assert "world=4 device=cpu backend=gloo" in log
+    assert "PASS: float64 oracle" in log
+    assert "nodes: 2 (node 0: ranks [0, 1]; node 1: ranks [2, 3])" in log
+    ranks = json.loads((tmp_path / "two.json").read_text())["reports"]
+    assert [r["node"] for r in ranks] == [0, 0, 1, 1]
+    assert all(r["cache_exact"] and not r["any_nan"] and 0 < r["max_err"] <= 1e-4 for r in ranks)
+
+    (one_log,) = run_agents(tmp_path, "one", [["--nproc-per-node", "4", "--master-addr",
+                                               "127.0.0.1", "--master-port", str(free_port())]])
+    assert "nodes: 1 (node 0: ranks [0, 1, 2, 3])" in one_log
+    one = json.loads((tmp_path / "one.json").read_text())["reports"]
+    same = ("rows_per_step", "cache_bytes", "comm_bytes", "max_err_per_step")
+    assert [{k: r[k] for k in same} for r in ranks] == [{k: r[k] for k in same} for r in one]
 
 
 def run_cp_alone(*flags: str) -> subprocess.CompletedProcess:

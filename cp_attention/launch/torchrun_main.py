@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import sys
 import time
 from dataclasses import asdict
@@ -118,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         report = run_workload(workload, rank, groups, check=args.check, device=choice.device,
                               on_step=lambda _: bar.update(1))
     wall = time.perf_counter() - start
-    summary = {**asdict(report), "wall_s": wall}
+    # torchrun's GROUP_RANK is the node (agent) this rank runs on
+    summary = {**asdict(report), "wall_s": wall, "node": int(os.environ.get("GROUP_RANK", "0")),
+               "host": socket.gethostname()}
     summary.pop("tokens_per_step")
     reports: list = [None] * world
     dist.all_gather_object(reports, summary)
@@ -127,20 +130,24 @@ def main(argv: list[str] | None = None) -> int:
         tol = ORACLE_TOLERANCE[args.dtype]
         ok = all(r["max_err"] <= tol and r["cache_exact"] and not r["any_nan"] for r in reports)
     if rank == 0:
-        print(f"{'rank':>4} {'pcp':>3} {'tp':>3} {'device':>7} {'ops':>13} {'rows':>8} "
+        print(f"{'rank':>4} {'node':>4} {'pcp':>3} {'tp':>3} {'device':>7} {'ops':>13} {'rows':>8} "
               f"{'KV bytes':>12} {'comm bytes':>12} {'attn s':>8} {'wall s':>7} {'max err':>9} "
               "cache")
         for r, rep in enumerate(reports):
             pcp_rank, tp_rank = divmod(r, config.tp_size)
             check = (f"{rep['max_err']:>9.2e} {'exact' if rep['cache_exact'] else 'WRONG'}"
                      if args.check else f"{'-':>9} -")
-            print(f"{r:>4} {pcp_rank:>3} {tp_rank:>3} {rep['device']:>7} {rep['ops']:>13} "
+            print(f"{r:>4} {rep['node']:>4} {pcp_rank:>3} {tp_rank:>3} {rep['device']:>7} {rep['ops']:>13} "
                   f"{sum(rep['rows_per_step']):>8} "
                   f"{rep['cache_bytes']:>12,} {rep['comm_bytes']:>12,} {rep['seconds']:>8.3f} "
                   f"{rep['wall_s']:>7.2f} {check}")
         if args.check:
             print(f"{'PASS' if ok else 'FAIL'}: float64 oracle, tolerance {tol:g}"
                   f" ({args.dtype}), worst {max(r['max_err'] for r in reports):.2e}")
+        nodes = sorted({r["node"] for r in reports})
+        print(f"nodes: {len(nodes)} (" + "; ".join(
+            f"node {n}: ranks {[r for r, rep in enumerate(reports) if rep['node'] == n]}"
+            for n in nodes) + ")")
         ran = sorted({(r["ops"], r["device"].split(":")[0], r["backend"]) for r in reports})
         print("ran: " + "; ".join(f"{ops} on {dev} over {backend}" for ops, dev, backend in ran))
         if args.json:

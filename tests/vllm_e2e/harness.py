@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -110,3 +112,62 @@ def max_logprob_diff(a: dict, b: dict) -> float:
 def greedy_margins(result: dict) -> list[float]:
     """Top-1 minus top-2 logprob of every generated step."""
     return [s["top"][0][1] - s["top"][1][1] for r in result["requests"] for s in r["steps"]]
+
+
+def clean_env(extra: dict[str, str]) -> dict[str, str]:
+    """This environment without any vLLM / plugin switch, plus a small KV cache and ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CP_ATTENTION_VLLM", "VLLM_"))}
+    env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}, **extra)
+    return env
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ProcessGroup:
+    """``cmd`` started in its own session, so its process group holds every process it starts
+    (vLLM's EngineCore and workers); stdout and stderr go to ``log_path``."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.pgid = self.proc.pid
+
+    def alive(self) -> bool:
+        """Whether any process of the group is left (the leader is reaped first)."""
+        self.proc.poll()
+        try:
+            os.killpg(self.pgid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def log(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def wait_gone(self, timeout_s: float) -> bool:
+        """Waits up to ``timeout_s`` for the whole group to exit; True if it did."""
+        deadline = time.time() + timeout_s
+        while self.alive() and time.time() < deadline:
+            time.sleep(0.5)
+        return not self.alive()
+
+    def stop(self, timeout_s: float = 60.0) -> bool:
+        """SIGTERM to the group, SIGKILL to what is left after ``timeout_s``; True if the group
+        exited on SIGTERM (or had already exited). Idempotent."""
+        if self.alive():
+            os.killpg(self.pgid, signal.SIGTERM)
+        clean = self.wait_gone(timeout_s)
+        if not clean:
+            os.killpg(self.pgid, signal.SIGKILL)
+            self.wait_gone(10)
+        self.proc.wait(timeout=10)
+        self._log.close()
+        return clean

@@ -3,8 +3,11 @@
 Usage: python run_llm.py MODEL_DIR [--tp N] [--dcp N] [--pcp N] [--interleave I] [--block-size B]
        [--max-tokens N|JSON] [--max-num-seqs N] [--max-batched N] [--logprobs K]
        [--prompt-logprobs K] [--dtype float32|bfloat16|float32,bfloat16] [--dcp-comm-backend ag_rs|a2a]
-       [--prefix-caching] [--no-eager] --prompts JSON|@FILE
+       [--prefix-caching] [--no-eager] [--nnodes N --master-port P [--master-addr A]]
+       --prompts JSON|@FILE
 The attention backend is chosen by the environment (CP_ATTENTION_VLLM=1: cp_attention).
+With ``--nnodes N`` this process is node 0 of vLLM's multi-node launch (its engine and the first
+world_size/N workers); nodes 1..N-1 run ``launch/vllm_serve.py MODEL ... --headless``.
 """
 from __future__ import annotations
 
@@ -36,6 +39,9 @@ def main() -> None:
     p.add_argument("--prompt-logprobs", type=int, default=None)
     p.add_argument("--no-eager", action="store_true", help="leave enforce_eager off")
     p.add_argument("--max-model-len", type=int, default=256)
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--master-addr", default="127.0.0.1")
+    p.add_argument("--master-port", type=int, default=None)
     p.add_argument("--prompts", required=True,
                    help="JSON list of token-id lists, or @FILE holding it (long prompts)")
     a = p.parse_args()
@@ -57,6 +63,9 @@ def main() -> None:
         kwargs["dcp_comm_backend"] = a.dcp_comm_backend
     if a.tp * a.pcp > 1:
         kwargs["distributed_executor_backend"] = "mp"
+    if a.nnodes > 1:
+        kwargs.update(nnodes=a.nnodes, node_rank=0, master_addr=a.master_addr,
+                      master_port=a.master_port)
     text = open(a.prompts[1:]).read() if a.prompts.startswith("@") else a.prompts
     prompts = [{"prompt_token_ids": ids} for ids in json.loads(text)]
     max_tokens = json.loads(a.max_tokens)
