@@ -11,9 +11,9 @@ process, all prompts in one batch:
 * ``cp_pcp2_prefix_chunked`` (fp32): pcp=2 with prefix caching and a 512-token batch budget:
   the 4,228-token prompt first (prefilled in chunks), the others chunked next to its decodes,
   and the long prompt again at the end (served from the prefix cache);
-* ``cp_pcp2_dcp2`` (fp32): pcp=2 with ``--decode-context-parallel-size 2``, which vLLM 0.32
-  refuses for this GQA model (3 KV heads, tp=1) until issue 20 deliverable 2 lands:
-  ``DCP_OVER_PCP`` below switches the case from "refusal asserted" to "tokens compared".
+* ``cp_pcp2_dcp2``: pcp=2 with ``--decode-context-parallel-size 2`` (the KV sharded over the
+  two PCP ranks), which vLLM 0.32 alone refuses for this GQA model (3 KV heads, tp=1); the
+  plugin's start-up hook lifts that rule for pcp = dcp (docs/vllm.md).
 
 fp32: every configuration's tokens equal the reference's. bf16: where a run's tokens leave
 another's, the step is a near tie (each side's token is in the other's top-5), and our bf16
@@ -31,9 +31,6 @@ from real_model import chat_prompts, prepare
 
 pytestmark = pytest.mark.vllm
 
-# False while vLLM refuses dcp > 1 for GQA at tp <= KV heads (vllm/config/model.py:1565); set
-# True when the plugin lifts it: the refusal test then fails and the tokens test takes over.
-DCP_OVER_PCP = False
 MAX_TOKENS = 16
 TOP = 5
 FP32_LOGPROB_TOL = 5e-3
@@ -48,12 +45,10 @@ RUNS = {
     "cp_pcp1": RunSpec(CP, BOTH),
     "cp_pcp2": RunSpec(PCP2_ENV, ("--pcp", "2") + BOTH),
     "cp_pcp2_prefix_chunked": RunSpec(PCP2_ENV, ("--pcp", "2") + PREFIX_ARGS),
-    "cp_pcp2_dcp2": RunSpec(PCP2_ENV, ("--pcp", "2", "--dcp", "2"), fails=not DCP_OVER_PCP),
+    "cp_pcp2_dcp2": RunSpec(PCP2_ENV, ("--pcp", "2", "--dcp", "2") + BOTH),
 }
-FP32_RUNS = ["cp_pcp1", "cp_pcp2"] + (["cp_pcp2_dcp2"] if DCP_OVER_PCP else [])
-BF16_RUNS = ["cp_pcp1", "cp_pcp2"]
-DCP_REFUSAL = ("Decode context parallelism for GQA/MQA requires `--tensor-parallel-size` (1) "
-               "to be greater than the model's total number of KV heads (3)")
+FP32_RUNS = ["cp_pcp1", "cp_pcp2", "cp_pcp2_dcp2"]
+BF16_RUNS = ["cp_pcp1", "cp_pcp2", "cp_pcp2_dcp2"]
 
 
 @pytest.fixture(scope="module")
@@ -166,20 +161,14 @@ def test_prefix_caching_and_chunked_prefill(names_and_runs):
     assert steps and max(steps) <= 512 and len(steps) >= 4228 // 512
 
 
-@pytest.mark.parametrize("name", ["cp_pcp1", "cp_pcp2", "cp_pcp2_prefix_chunked"])
+@pytest.mark.parametrize("name", ["cp_pcp1", "cp_pcp2", "cp_pcp2_prefix_chunked", "cp_pcp2_dcp2"])
 def test_plugin_ran(runs, name):
     log = runs.log(name)
     assert re.search(r"cp_attention impl active: \w+.* heads 9/3", log)
     if "pcp2" in name:
         for rank in (0, 1):
             assert f"cp_attention PCP model runner: pcp rank {rank}/2, token check on" in log
+            shard = "cp" if "dcp2" in name else "dcp"  # dcp2: KV sharded over the PCP ranks
+            assert f"pcp rank {rank}/2, kv_shard {shard}" in log
     assert "PCPTokenMismatch" not in log
     assert not re.search(r"cp_attention (impl|PCP|metadata)", runs.log("cpu_attn"))
-
-
-if not DCP_OVER_PCP:  # not collected once enabled (a skip would fail .ci/run_vllm)
-    def test_pcp2_dcp2_still_refused_by_vllm(runs):
-        """What is missing (issue 20 deliverable 2): vLLM refuses ``-pcp 2 -dcp 2`` for this
-        GQA model. When this fails because the run succeeded, set ``DCP_OVER_PCP = True``."""
-        log = runs.log("cp_pcp2_dcp2")
-        assert DCP_REFUSAL in log, log[-3000:]
