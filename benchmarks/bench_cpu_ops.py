@@ -392,17 +392,25 @@ def measure_matrix_row(case: Case, sequential: bool, repeats: int, with_vllm: bo
 
 
 def run_matrix(out_dir: str | Path, quick: bool = False, threads: int = 1,
-               max_kv_gib: float = 1.0, max_prefill_tflop: float = 0.3) -> dict:
-    """The issue-18 matrix; writes ``bench_cpu_matrix.json`` and its heatmap."""
+               max_kv_gib: float = 1.0, max_prefill_tflop: float = 0.3,
+               time_budget_s: float | None = None) -> dict:
+    """The issue-18 matrix; writes ``bench_cpu_matrix.json`` and its heatmap. Rows run from the
+    smallest problem to the largest; past ``time_budget_s`` the rest are listed as skipped."""
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     with_vllm = vllm_ops is not None
     rows, skipped = [], []
     start = time.perf_counter()
+    cases = sorted(matrix_cases(quick), key=lambda cs: (
+        cs[0].kind != "decode", cs[0].batch * cs[0].context * cs[0].kv_heads * cs[0].head_size
+        * (4 if cs[0].dtype == "float32" else 2) * (cs[0].q_heads if cs[0].kind == "prefill" else 1)))
     try:
         roof = (memory_bandwidth_gbs(64 if quick else 1024), matmul_gflops(256 if quick else 1024))
-        for case, sequential in matrix_cases(quick):
+        for case, sequential in cases:
             reason = _skip_reason(case, max_kv_gib, max_prefill_tflop)
+            if reason is None and time_budget_s is not None and \
+                    time.perf_counter() - start > time_budget_s:
+                reason = f"past the run's time budget of {time_budget_s:.0f} s"
             if reason is not None:
                 skipped.append({"label": case.label, "sequential_blocks": sequential,
                                 "reason": reason})
@@ -522,13 +530,16 @@ def _matrix_args(parser) -> None:
                         help="matrix: skip rows whose K/V copy exceeds this")
     parser.add_argument("--max-prefill-tflop", type=float, default=0.3,
                         help="matrix: skip prefill rows above this many TFLOP")
+    parser.add_argument("--time-budget-s", type=float, default=None,
+                        help="matrix: list the rows left after this many seconds as skipped")
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(__doc__, argv, _matrix_args)
     if args.matrix:
         payload = run_matrix(args.out, args.quick, max_kv_gib=args.max_kv_gib,
-                             max_prefill_tflop=args.max_prefill_tflop)
+                             max_prefill_tflop=args.max_prefill_tflop,
+                             time_budget_s=args.time_budget_s)
         print(f"{payload['cpu']}: {len(payload['rows'])} rows in {payload['run_s']:.0f} s, "
               f"{len(payload['skipped'])} skipped")
         print(matrix_markdown(payload))
