@@ -22,6 +22,7 @@ as skipped, not dropped. ``--matrix --quick`` is the smoke-test subset.
 """
 from __future__ import annotations
 
+import gc
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -417,6 +418,7 @@ def run_matrix(out_dir: str | Path, quick: bool = False, threads: int = 1,
                 continue
             repeats = 2 if quick else (3 if case.kind == "decode" else 2)
             rows.append(measure_matrix_row(case, sequential, repeats, with_vllm, roof))
+            gc.collect()  # the row's caches sit in reference cycles (layer, bound methods)
             print(f"{case.label}{' seq' if sequential else ''}: " + ", ".join(
                 f"{k[:-3]} {rows[-1][k]:.2f}" for k in rows[-1] if k.endswith("_ms")), flush=True)
     finally:
