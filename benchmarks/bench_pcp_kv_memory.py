@@ -39,7 +39,7 @@ from benchmarks.common import REPO_ROOT, write_json
 from cp_attention.backend import CPAttentionBackend
 from cp_attention.config import CPConfig
 from cp_attention.impl import pcp as pcp_impl
-from cp_attention.metadata.common import StepSpec
+from cp_attention.metadata.common import StepSpec, ranges_concat
 from cp_attention.metadata.kv_layout import KVSharding
 from cp_attention.testing.pool import RankPool
 
@@ -47,18 +47,20 @@ NAME = "bench_pcp_kv_memory"
 HQ, HKV, HEAD_SIZE, DTYPE = 8, 8, 128, torch.bfloat16
 
 
-def _gathering_chunk_attention(ops, q_part, k_pre, v_pre, chunk, cu_q, diagonal, restored_cu,
-                               scale, window):
+def _gathering_chunk_attention(ops, q_part, k_pre, v_pre, cu_q, restored_cu, keys_before,
+                               diagonal, scale, window):
     """The unmasked part before seqused_k: gathered copies of the keys before the chunk."""
-    device = q_part.device
-    if window is not None:
-        kv_idx = chunk.kv_idx.to(device)
-        return ops.varlen_attention(q_part, k_pre[kv_idx], v_pre[kv_idx], cu_q,
-                                    chunk.cu_seqlens_k, scale=scale, causal=True, window=window)
-    nomask_idx = chunk.kv_nomask_idx.to(device)
-    before = ops.varlen_attention(q_part, k_pre[nomask_idx], v_pre[nomask_idx], cu_q,
-                                  chunk.nomask_cu_seqlens_k, scale=scale, causal=False)
-    return ops.merge_attn_states(*before, *diagonal)
+    used = keys_before + cu_q.diff() if window is not None else keys_before
+    idx = torch.from_numpy(ranges_concat(restored_cu[:-1].numpy(), used.numpy()))
+    idx = idx.to(q_part.device)
+    out = ops.varlen_attention(q_part, k_pre[idx], v_pre[idx], cu_q, cumsum0_t(used),
+                               scale=scale, causal=window is not None, window=window)
+    return out if window is not None else ops.merge_attn_states(*out, *diagonal)
+
+
+def cumsum0_t(lengths: torch.Tensor) -> torch.Tensor:
+    """[n + 1] 0, then the running sums of ``lengths`` [n]."""
+    return torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
 
 
 def _status_kib(field: str) -> int:

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from cp_attention.config import CPConfig, CPRanks
 from cp_attention.metadata.builder import AttentionMetadata, CPMetadataBuilder
-from cp_attention.metadata.common import StepSpec, ranges_concat
+from cp_attention.metadata.common import StepSpec, cumsum0, ranges_concat
 from cp_attention.metadata.pcp import HeadTail
 from cp_attention.metadata.vllm_ascend import VllmAscendView
 
@@ -123,9 +123,9 @@ def lst(t: torch.Tensor) -> list:
     return t.tolist()
 
 
-def plan_pcp_split(new_lens, pcp: int, rank: int, windowed: bool = False):
+def plan_pcp_split(new_lens, pcp: int, rank: int):
     """The HeadTail split of prefills of ``new_lens`` new tokens for ``rank``."""
-    return HeadTail(pcp).plan(np.asarray(new_lens, dtype=np.int64), rank, windowed)
+    return HeadTail(pcp).plan(np.asarray(new_lens, dtype=np.int64), rank)
 
 
 def ascend(split) -> VllmAscendView:
@@ -175,7 +175,7 @@ def test_restore_after_gather_is_request_order(reqs, pcp):
 @settings(**SETTINGS)
 @given(reqs=batches(), pcp=st.sampled_from(PCP_SIZES))
 def test_local_rows_positions_and_head_tail_index_sets(reqs, pcp):
-    # A window wider than any request: the windowed kv_with_q_{head,tail}_idx are planned too.
+    # A window wider than any request (the windowed call reads k c + c keys of each prefill).
     _, metas = build_all(reqs, CPConfig(pcp_size=pcp), window=10_000)
     restored = torch.tensor(expected_restored(reqs, pcp), dtype=torch.int64)
     prefills = [(off, r) for off, r in zip(token_offsets(reqs), reqs) if not r.is_decode]
@@ -201,7 +201,9 @@ def test_local_rows_positions_and_head_tail_index_sets(reqs, pcp):
         for slot, kind, chunk in ((0, "head", rank), (1, "tail", 2 * pcp - 1 - rank)):
             nomask = getattr(split, f"kv_with_q_{kind}_nomask_idx")
             mask = getattr(split, f"kv_with_q_{kind}_mask_idx")
-            both = meta.pcp.chunks[slot].kv_idx  # the windowed call's keys
+            used = meta.pcp.chunk_keys_before[slot].numpy() + np.array(chunks, dtype=np.int64)
+            both = torch.from_numpy(ranges_concat(
+                cumsum0(meta.pcp.padded_lens)[:-1], used))  # the windowed call's keys
             seqlens = getattr(split, f"{kind}_attn_nomask_seqlens")
             for idx in (nomask, mask, both):
                 assert all(0 <= v < len(restored) for v in lst(idx))
@@ -416,11 +418,10 @@ def test_closed_form_restore_and_scatter_equal_argsort(new_lens, pcp, data):
 @given(new_lens=new_lens_lists, pcp=st.integers(1, 8), data=st.data())
 def test_split_indices_in_range_and_offsets_match_lengths(new_lens, pcp, data):
     """Every index in range, q_full_idx = argsort(cat(q_head, q_tail)), the cumulative offsets
-    the kernels take are the cumsums of the vLLM-Ascend [2, P] lengths, and the head / tail
-    ChunkPlan views carry the chunk's own fields."""
+    and used-key counts the kernels take are those of the vLLM-Ascend [2, P] lengths, and
+    each chunk's fields are its own chunk's."""
     rank = data.draw(st.integers(0, pcp - 1))
-    windowed = data.draw(st.booleans())
-    plan = plan_pcp_split(np.array(new_lens, dtype=np.int64), pcp, rank, windowed=windowed)
+    plan = plan_pcp_split(np.array(new_lens, dtype=np.int64), pcp, rank)
     split = ascend(plan)
     chunks = np.array([-(-n // (2 * pcp)) for n in new_lens], dtype=np.int64)
     local, restored = 2 * int(chunks.sum()), 2 * pcp * int(chunks.sum())
@@ -429,14 +430,8 @@ def test_split_indices_in_range_and_offsets_match_lengths(new_lens, pcp, data):
         idx = getattr(split, name).numpy()
         assert idx.dtype == np.int64 and ((0 <= idx) & (idx < local)).all(), name
     for name in ("kv_with_q_head_nomask_idx", "kv_with_q_head_mask_idx",
-                 "kv_with_q_tail_nomask_idx", "kv_with_q_tail_mask_idx",
-                 "kv_with_q_head_idx", "kv_with_q_tail_idx"):
-        idx = (plan.chunks[name == "kv_with_q_tail_idx"].kv_idx if name.endswith("q_head_idx")
-               or name.endswith("q_tail_idx") else getattr(split, name))
-        if idx is None:
-            assert not windowed and name in ("kv_with_q_head_idx", "kv_with_q_tail_idx")
-            continue
-        idx = idx.numpy()
+                 "kv_with_q_tail_nomask_idx", "kv_with_q_tail_mask_idx"):
+        idx = getattr(split, name).numpy()
         assert idx.dtype == np.int64 and ((0 <= idx) & (idx < restored)).all(), name
     both = np.concatenate([split.q_head_idx.numpy(), split.q_tail_idx.numpy()])
     assert np.array_equal(split.q_full_idx.numpy(), np.argsort(both, kind="stable"))
@@ -446,16 +441,15 @@ def test_split_indices_in_range_and_offsets_match_lengths(new_lens, pcp, data):
 
     assert lst(plan.chunk_cu_seqlens) == cum(split.attn_mask_seqlens[0]) == cum(chunks)
     assert lst(plan.chunk_cu_seqlens) == cum(split.attn_mask_seqlens[1])
-    assert lst(plan.chunks[0].nomask_cu_seqlens_k) == cum(split.head_attn_nomask_seqlens[1])
-    assert lst(plan.chunks[1].nomask_cu_seqlens_k) == cum(split.tail_attn_nomask_seqlens[1])
-    for chunk_plan, chunk in zip(plan.chunks, (rank, 2 * pcp - 1 - rank)):
-        assert chunk_plan.index == chunk
-        assert lst(chunk_plan.nomask_cu_seqlens_k) == cum(chunk * chunks)
-        assert len(chunk_plan.kv_nomask_idx) == chunk * int(chunks.sum())
-        assert lst(chunk_plan.cu_seqlens_k) == cum((chunk + 1) * chunks)
-        if windowed:
-            assert len(chunk_plan.kv_idx) == (chunk + 1) * int(chunks.sum())
-    assert plan.chunks[0].q_idx is split.q_head_idx and plan.chunks[1].q_idx is split.q_tail_idx
+    assert lst(plan.chunk_keys_before[0]) == lst(split.head_attn_nomask_seqlens[1])
+    assert lst(plan.chunk_keys_before[1]) == lst(split.tail_attn_nomask_seqlens[1])
+    assert plan.chunk_q_idx.shape == (2, int(chunks.sum()))
+    for slot, chunk in enumerate((rank, 2 * pcp - 1 - rank)):
+        assert lst(plan.chunk_keys_before[slot]) == (chunk * chunks).tolist()
+        assert len(getattr(split, ("kv_with_q_head_nomask_idx", "kv_with_q_tail_nomask_idx")[
+            slot])) == chunk * int(chunks.sum())
+    assert torch.equal(plan.chunk_q_idx[0], split.q_head_idx)
+    assert torch.equal(plan.chunk_q_idx[1], split.q_tail_idx)
     # Bookkeeping rows agree with the index tensors.
     restored_req, restored_pos = plan.partition.restored_rows(plan.chunk_lens)
     order = restored_req * (1 << 32) + restored_pos

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from cp_attention.comm import Communicator
 from cp_attention.metadata.builder import AttentionMetadata
-from cp_attention.metadata.pcp import ChunkPlan, PCPSplit
+from cp_attention.metadata.pcp import PCPSplit
 from cp_attention.ops import AttentionOps
 
 
@@ -54,31 +54,31 @@ def pcp_prefill_attention(ops: AttentionOps, q_pre: torch.Tensor, k_loc: torch.T
     tokens up to their own; ``step_kv``: the step rows (``nd`` decode rows first).
     Returns out [Lp, Hq, D] and lse [Lp, Hq] in local row order."""
     cu_q = split.chunk_cu_seqlens
-    rows = [chunk.q_idx.to(q_pre.device) for chunk in split.chunks]
+    rows = split.chunk_q_idx.to(q_pre.device)  # [m, sum c]
     # the diagonals (causal, local rows only) while the all-gather is in flight
     diagonals = [None if window is not None else ops.varlen_attention(
         q_pre[r], k_loc[r], v_loc[r], cu_q, cu_q, scale=scale, causal=True) for r in rows]
     step_k, step_v = step_kv.wait()
     k_pre, v_pre = step_k[nd:], step_v[nd:]
     restored_cu = cu_q * (2 * split.pcp_size)  # each prefill's 2 pcp c restored rows
-    outs, lses = zip(*(chunk_attention(ops, q_pre[r], k_pre, v_pre, chunk, cu_q, diagonal,
-                                       restored_cu, scale, window)
-                       for chunk, r, diagonal in zip(split.chunks, rows, diagonals)))
+    outs, lses = zip(*(chunk_attention(ops, q_pre[r], k_pre, v_pre, cu_q, restored_cu, before,
+                                       diagonal, scale, window)
+                       for r, before, diagonal in zip(rows, split.chunk_keys_before, diagonals)))
     local_order = split.q_full_idx.to(q_pre.device)  # [chunk rows...] -> local rows
     return torch.cat(outs)[local_order], torch.cat(lses)[local_order]
 
 
-def chunk_attention(ops: AttentionOps, q_part, k_pre, v_pre, chunk: ChunkPlan, cu_q, diagonal,
-                    restored_cu, scale: float, window: int | None):
+def chunk_attention(ops: AttentionOps, q_part, k_pre, v_pre, cu_q, restored_cu, keys_before,
+                    diagonal, scale: float, window: int | None):
     """Attention of one chunk's queries ``q_part`` over the restored prefill K/V
-    (``restored_cu``: each prefill's rows): the keys before it merged with its ``diagonal``,
-    or with a sliding window one bottom-right causal call over both. Both read a prefix of
-    each prefill's restored rows in place (``seqused_k``: ``k c`` keys before chunk k,
-    ``(k + 1) c`` up to its end)."""
+    (``restored_cu``: each prefill's rows): the ``keys_before`` ([P], ``k c``) keys before it
+    merged with its ``diagonal``, or with a sliding window one bottom-right causal call over
+    both (``(k + 1) c`` keys). Both read a prefix of each prefill's restored rows in place
+    (``seqused_k``)."""
     if window is not None:
         return ops.varlen_attention(q_part, k_pre, v_pre, cu_q, restored_cu, scale=scale,
                                     causal=True, window=window,
-                                    seqused_k=chunk.cu_seqlens_k.diff())
+                                    seqused_k=keys_before + cu_q.diff())
     before = ops.varlen_attention(q_part, k_pre, v_pre, cu_q, restored_cu, scale=scale,
-                                  causal=False, seqused_k=chunk.nomask_cu_seqlens_k.diff())
+                                  causal=False, seqused_k=keys_before)
     return ops.merge_attn_states(*before, *diagonal)

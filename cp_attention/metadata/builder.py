@@ -154,14 +154,13 @@ class PrefillPlan:
 
 
 def plan_prefills(prefills: np.ndarray, new_lens: np.ndarray,
-                  partition: PrefillPartition | None, pcp_rank: int, windowed: bool
-                  ) -> PrefillPlan:
+                  partition: PrefillPartition | None, pcp_rank: int) -> PrefillPlan:
     """The prefill rows (local and step) of a rank; new_lens: [Np] new tokens per prefill;
     partition: how prefills are cut over PCP ranks (None: pcp_size == 1)."""
     if partition is None:
         rows = whole_requests(prefills, new_lens, new_lens)
         return PrefillPlan(prefills, None, rows, rows, new_lens)
-    split = partition.plan(new_lens, pcp_rank, windowed)
+    split = partition.plan(new_lens, pcp_rank)
     return PrefillPlan(prefills, split, pcp_local_rows(prefills, new_lens, split),
                        whole_requests(prefills, new_lens, split.padded_lens),
                        partition.chunks_per_rank * split.chunk_lens)
@@ -300,8 +299,7 @@ class MetadataBuilder:
         decodes, prefills = is_decode.nonzero()[0], (~is_decode).nonzero()[0]
         dec_lens, new_lens = step.scheduled[decodes], step.scheduled[prefills]
         dec_rows = whole_requests(decodes, dec_lens, dec_lens)
-        pre = plan_prefills(prefills, new_lens, self.partition, self.ranks.pcp_rank,
-                            self.sliding_window is not None)
+        pre = plan_prefills(prefills, new_lens, self.partition, self.ranks.pcp_rank)
         local_rows = dec_rows + pre.local
         # [R + 1] rows before each request (decodes, then prefills), local and step rows
         cu_local = cumsum0(np.concatenate([dec_lens, pre.local_rows_per_req]))

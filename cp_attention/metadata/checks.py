@@ -192,15 +192,14 @@ def _check_rank_ranges(meta, cfg: CPConfig, computed: np.ndarray, p: int,
         restored_req, restored_pos = split.partition.restored_rows(split.chunk_lens)
         if (np.diff(restored_req * (1 << 32) + restored_pos) <= 0).any():
             fail(f"{where}: restored rows are not in request order")
-        q_all = np.concatenate([chunk.q_idx.numpy() for chunk in split.chunks])
+        q_all = split.chunk_q_idx.numpy().reshape(-1)
         if not np.array_equal(np.sort(q_all), np.arange(rows)):
-            fail(f"{where}: the chunks' q_idx do not cover the {rows} local rows once")
+            fail(f"{where}: chunk_q_idx does not cover the {rows} local rows once")
         if not np.array_equal(q_all[split.q_full_idx.numpy()], np.arange(rows)):
             fail(f"{where}: q_full_idx does not restore the local order")
-        for chunk in split.chunks:
-            for idx in (chunk.kv_nomask_idx, chunk.kv_idx):
-                if idx is not None and len(idx) and (idx.min() < 0 or idx.max() >= total):
-                    fail(f"{where}: a K/V index of chunk {chunk.index} is out of [0, {total})")
+        before = split.chunk_keys_before.numpy()  # the chunk's own c keys follow
+        if (before < 0).any() or (before + split.chunk_lens > split.padded_lens).any():
+            fail(f"{where}: chunk_keys_before + c exceeds a prefill's restored rows")
         if meta.num_actual_tokens != meta.num_decode_tokens + rows:
             fail(f"{where}: num_actual_tokens {meta.num_actual_tokens} != decodes "
                  f"{meta.num_decode_tokens} + local prefill rows {rows}")

@@ -17,23 +17,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import NamedTuple
-
 import numpy as np
 import torch
 
 from cp_attention.metadata.common import cumsum0, equal_ranges, ranges_concat
-
-
-class ChunkPlan(NamedTuple):
-    """What attention of one query chunk of every prefill takes on this rank (int64)."""
-
-    index: int  # chunk number k (HeadTail: pcp_rank for the head, 2 pcp - 1 - pcp_rank tail)
-    q_idx: torch.Tensor  # [sum c] local prefill rows of the chunk
-    kv_nomask_idx: torch.Tensor  # [k sum c] restored rows before the chunk (no mask)
-    nomask_cu_seqlens_k: torch.Tensor  # [P + 1] k * C
-    kv_idx: torch.Tensor | None  # [(k + 1) sum c] restored rows up to the chunk's end (window)
-    cu_seqlens_k: torch.Tensor  # [P + 1] (k + 1) * C
 
 
 _tensor = torch.from_numpy  # an int64 array as a tensor sharing its memory
@@ -51,7 +38,8 @@ class PCPSplit:
     pcp_rank: int
     chunk_lens: np.ndarray  # [P] c per prefill (host bookkeeping)
     chunk_cu_seqlens: torch.Tensor  # [P + 1] C: query rows of one chunk (= its diagonal keys)
-    chunks: tuple[ChunkPlan, ...]  # this rank's chunks in local order (HeadTail: head, tail)
+    chunk_q_idx: torch.Tensor  # [m, sum c] local prefill rows of each local chunk (m chunks)
+    chunk_keys_before: torch.Tensor  # [m, P] k c: restored keys of each prefill before chunk k
     q_full_idx: torch.Tensor  # [m sum c] row of cat(chunk q rows) of each local row
     pcp_allgather_restore_idx: torch.Tensor  # [pcp m sum c]: restored = gathered[idx]
     pcp_allgather_scatter_idx: torch.Tensor  # inverse of restore: gathered = restored[idx]
@@ -127,30 +115,22 @@ class PrefillPartition(ABC):
         starts += (m * cu[:-1])[:, None]
         return starts
 
-    def plan(self, new_lens: np.ndarray, rank: int, windowed: bool = False) -> PCPSplit:
-        """The :class:`PCPSplit` of prefills with ``new_lens`` ([P]) new tokens for ``rank``.
-
-        windowed: also make each chunk's ``kv_idx`` (one windowed call per chunk instead of
-        unmasked + diagonal); None otherwise.
-        """
+    def plan(self, new_lens: np.ndarray, rank: int) -> PCPSplit:
+        """The :class:`PCPSplit` of prefills with ``new_lens`` ([P]) new tokens for ``rank``."""
         if not 0 <= rank < self.pcp_size:
             raise ValueError(f"pcp_rank ({rank}) must be in [0, pcp_size={self.pcp_size})")
         c = self.chunk_lens(new_lens)
         cu = cumsum0(c)  # [P + 1]
         first, m = cu[:-1], self.chunks_per_rank
         equal = len(c) < 2 or bool((c == c[0]).all())  # every index has segments of c rows
-        restored_start = self.num_chunks * first  # first restored row of each prefill
-        chunks = []
-        for slot, k in enumerate(self.chunks_of(rank)):
-            kv_idx = (_tensor(ranges_concat(restored_start, (k + 1) * c, equal)) if windowed
-                      else None)
-            chunks.append(ChunkPlan(k, _tensor(ranges_concat(m * first + slot * c, c, equal)),
-                                    _tensor(ranges_concat(restored_start, k * c, equal)),
-                                    _tensor(k * cu), kv_idx, _tensor((k + 1) * cu)))
+        # local chunk s of prefill i: rows m C[i] + s c[i] + j
+        q_idx = chunk_ranges(m * first + np.multiply.outer(np.arange(m), c), c[None, :],
+                             equal).reshape(m, -1)
         # local row (i, s, j) is row s T + C[i] + j of cat(chunk rows), T = sum c
         q_full = chunk_ranges(np.add.outer(first, np.arange(m) * int(cu[-1])), c[:, None], equal)
         runs = self.restore_runs(c, cu)
-        return PCPSplit(self, rank, c, _tensor(cu), tuple(chunks), _tensor(q_full),
+        return PCPSplit(self, rank, c, _tensor(cu), _tensor(q_idx),
+                        _tensor(np.multiply.outer(self.chunks_of(rank), c)), _tensor(q_full),
                         _tensor(chunk_ranges(runs, c[:, None], equal)),
                         _tensor(inverse_of_runs(runs.reshape(-1), c.repeat(self.num_chunks),
                                                 equal)))

@@ -26,6 +26,8 @@ class VllmAscendView:
                  config: CPConfig | None = None) -> None:
         self.meta, self.step, self.config = meta, step, config
         self.split = meta.pcp
+        if self.split is not None:  # HeadTail: (head chunk, tail chunk) numbers of this rank
+            self.chunks = self.split.partition.chunks_of(self.split.pcp_rank)
 
     @property
     def attn_state(self) -> AttentionState:
@@ -48,11 +50,11 @@ class VllmAscendView:
 
     @property
     def q_head_idx(self) -> torch.Tensor:  # [sum c] local prefill rows of head chunks
-        return self.split.chunks[0].q_idx
+        return self.split.chunk_q_idx[0]
 
     @property
     def q_tail_idx(self) -> torch.Tensor:  # [sum c] local prefill rows of tail chunks
-        return self.split.chunks[1].q_idx
+        return self.split.chunk_q_idx[1]
 
     @property
     def q_full_idx(self) -> torch.Tensor:  # [2 sum c] argsort(cat(q_head_idx, q_tail_idx))
@@ -60,19 +62,19 @@ class VllmAscendView:
 
     @property
     def kv_with_q_head_nomask_idx(self) -> torch.Tensor:  # [head sum c] rows before the chunk
-        return self.split.chunks[0].kv_nomask_idx
+        return self._restored_rows(0, self.chunks[0])
 
     @property
     def kv_with_q_tail_nomask_idx(self) -> torch.Tensor:  # [tail sum c] rows before the chunk
-        return self.split.chunks[1].kv_nomask_idx
+        return self._restored_rows(0, self.chunks[1])
 
     @property
     def kv_with_q_head_mask_idx(self) -> torch.Tensor:  # [sum c] the head chunk's own rows
-        return self._chunk_rows(self.split.chunks[0].index)
+        return self._restored_rows(self.chunks[0], 1)
 
     @property
     def kv_with_q_tail_mask_idx(self) -> torch.Tensor:  # [sum c] the tail chunk's own rows
-        return self._chunk_rows(self.split.chunks[1].index)
+        return self._restored_rows(self.chunks[1], 1)
 
     @property
     def attn_mask_seqlens(self) -> torch.Tensor:  # [2, P] of the causal diagonals
@@ -80,13 +82,11 @@ class VllmAscendView:
 
     @property
     def head_attn_nomask_seqlens(self) -> torch.Tensor:  # [2, P] of the head's unmasked part
-        return torch.from_numpy(np.stack([self.split.chunk_lens, self.split.chunk_lens
-                                          * self.split.chunks[0].index]))
+        return torch.stack([self.split.chunk_cu_seqlens.diff(), self.split.chunk_keys_before[0]])
 
     @property
     def tail_attn_nomask_seqlens(self) -> torch.Tensor:  # [2, P] of the tail's unmasked part
-        return torch.from_numpy(np.stack([self.split.chunk_lens, self.split.chunk_lens
-                                          * self.split.chunks[1].index]))
+        return torch.stack([self.split.chunk_cu_seqlens.diff(), self.split.chunk_keys_before[1]])
 
     @property
     def pcp_allgather_restore_idx(self) -> torch.Tensor:  # [pcp 2 sum c] gathered -> restored
@@ -98,6 +98,8 @@ class VllmAscendView:
         (vLLM-Ascend later dropped it as redundant)."""
         return torch.ones(2048, 2048, dtype=torch.bool).triu(1)
 
-    def _chunk_rows(self, chunk: int) -> torch.Tensor:
+    def _restored_rows(self, first_chunk: int, num_chunks: int) -> torch.Tensor:
+        """[num_chunks sum c] restored rows of chunks ``first_chunk ..`` of every prefill."""
         c = self.split.chunk_lens
-        return torch.from_numpy(ranges_concat(cumsum0(self.split.padded_lens)[:-1] + chunk * c, c))
+        return torch.from_numpy(ranges_concat(cumsum0(self.split.padded_lens)[:-1]
+                                              + first_chunk * c, num_chunks * c))
