@@ -68,9 +68,9 @@ def vllm_batch(computed, new, block_size, world=1, rank=0, interleave=1, max_blo
 
 
 def build(cm, config: CPConfig, ranks: CPRanks = CPRanks()):
-    vstep = step_from_vllm(cm.query_start_loc_cpu, cm.seq_lens, cm.block_table_tensor, cm.num_reqs)
+    step = step_from_vllm(cm.query_start_loc_cpu, cm.seq_lens, cm.block_table_tensor, cm.num_reqs)
     builder = (CPMetadataBuilder if config.uses_cp else MetadataBuilder)(config, ranks)
-    return vstep, builder.build(vstep.step)
+    return step, builder.build(step)
 
 
 # -- import hygiene and registration --------------------------------------------------------
@@ -427,13 +427,13 @@ def test_world_one_matches_vllm_cpu_kernel():
 def test_step_from_vllm_drops_padding_and_reorders_rows():
     # vLLM order: one-token prompt, decode, chunked prefill with context, padding request
     cm, _ = vllm_batch([0, 40, 63, 0], [1, 1, 37, 0], block_size=16)
-    vstep, meta = build(cm, CPConfig(block_size=16, kv_shard="dcp"))
-    assert vstep.step.num_computed_tokens.tolist() == [0, 40, 63]
-    assert vstep.step.num_scheduled_tokens.tolist() == [1, 1, 37] and vstep.num_tokens == 39
-    rows = row_order(meta, vstep.num_tokens)
+    step, meta = build(cm, CPConfig(block_size=16, kv_shard="dcp"))
+    assert step.num_computed_tokens.tolist() == [0, 40, 63]
+    assert step.num_scheduled_tokens.tolist() == [1, 1, 37] and step.num_new_tokens == 39
+    rows = row_order(meta, step.num_new_tokens)
     assert rows is not None and rows[:3].tolist() == [1, 0, 2]  # decode first, then the prompt
     assert rows.sort().values.tolist() == list(range(39))
-    check_slot_mapping(meta, cm.slot_mapping, vstep.num_tokens, vstep.step)
+    check_slot_mapping(meta, cm.slot_mapping, step.num_new_tokens, step)
 
 
 @pytest.mark.parametrize("interleave", [1, 16])
@@ -443,19 +443,19 @@ def test_dcp_slot_mapping_check_accepts_vllm_and_rejects_corruption(interleave):
     for rank in range(2):
         cm, _ = vllm_batch([0, 40, 63], [5, 1, 37], block_size=32, world=2, rank=rank,
                            interleave=interleave)
-        vstep, meta = build(cm, config, CPRanks(0, rank, rank))
-        check_slot_mapping(meta, cm.slot_mapping, vstep.num_tokens, vstep.step)
-        stored = slots_in_vllm_order(meta, vstep.num_tokens, vstep.step) >= 0
-        assert 0 < int(stored.sum()) < vstep.num_tokens  # DCP: each rank stores a share
+        step, meta = build(cm, config, CPRanks(0, rank, rank))
+        check_slot_mapping(meta, cm.slot_mapping, step.num_new_tokens, step)
+        stored = slots_in_vllm_order(meta, step.num_new_tokens, step) >= 0
+        assert 0 < int(stored.sum()) < step.num_new_tokens  # DCP: each rank stores a share
         bad = cm.slot_mapping.clone()
         first = int(torch.nonzero(stored)[0, 0])
         bad[first] += 1
         with pytest.raises(SlotMappingMismatch, match=f"token {first} "):
-            check_slot_mapping(meta, bad, vstep.num_tokens, vstep.step)
+            check_slot_mapping(meta, bad, step.num_new_tokens, step)
         other = vllm_batch([0, 40, 63], [5, 1, 37], block_size=32, world=2, rank=1 - rank,
                            interleave=interleave)[0]
         with pytest.raises(SlotMappingMismatch, match="refusing to write the cache"):
-            check_slot_mapping(meta, other.slot_mapping, vstep.num_tokens, vstep.step)
+            check_slot_mapping(meta, other.slot_mapping, step.num_new_tokens, step)
 
 
 # -- KV cache view ------------------------------------------------------------------------------
@@ -496,7 +496,7 @@ def test_pcp_metadata_from_vllm_shaped_batch():
     seen = np.zeros(int(sum(new)), dtype=int)
     cu = np.concatenate([[0], np.cumsum(new)])
     for rank in range(2):
-        vstep, meta = build(cm, config, CPRanks(rank, 0, 0))
+        step, meta = build(cm, config, CPRanks(rank, 0, 0))
         rows = meta.local_token_idx[:meta.num_actual_tokens].numpy()
         assert rows[:meta.num_decode_tokens].tolist() == [0, 59]  # decodes on every rank, first
         np.add.at(seen, rows[meta.num_decode_tokens:][rows[meta.num_decode_tokens:] >= 0], 1)
@@ -509,13 +509,13 @@ def test_pcp_metadata_from_vllm_shaped_batch():
         expected = np.full(len(step_tokens), -1)
         expected[step_tokens >= 0] = cm.slot_mapping.numpy()[step_tokens[step_tokens >= 0]]
         np.testing.assert_array_equal(meta.step_slot_mapping.numpy(), expected)
-        check_slot_mapping(meta, cm.slot_mapping, vstep.num_tokens, vstep.step)  # PCP check
+        check_slot_mapping(meta, cm.slot_mapping, step.num_new_tokens, step)  # PCP check
         bad = cm.slot_mapping.clone()
         bad[30] += 1  # a prefill token only one PCP rank computes: both ranks must notice
         with pytest.raises(SlotMappingMismatch, match="token 30 "):
-            check_slot_mapping(meta, bad, vstep.num_tokens, vstep.step)
+            check_slot_mapping(meta, bad, step.num_new_tokens, step)
         with pytest.raises(ValueError, match="pcp_size > 1"):
-            row_order(meta, vstep.num_tokens)  # PCP rows are not a permutation of vLLM's
+            row_order(meta, step.num_new_tokens)  # PCP rows are not a permutation of vLLM's
     prefill_tokens = np.arange(1, 59)
     assert (seen[prefill_tokens] == 1).all()  # each prefill token on exactly one PCP rank
 
@@ -533,12 +533,12 @@ def test_pcp_slot_mapping_check_with_kv_sharded_over_pcp(dcp_over_pcp):
     for pcp_rank in range(2):
         world, rank = (2, pcp_rank) if dcp_over_pcp else (1, 0)
         cm, _ = vllm_batch(computed, new, block_size=16, world=world, rank=rank)
-        vstep, meta = build(cm, config, CPRanks(pcp_rank, 1, 0))
-        check_slot_mapping(meta, cm.slot_mapping, vstep.num_tokens, vstep.step)
+        step, meta = build(cm, config, CPRanks(pcp_rank, 1, 0))
+        check_slot_mapping(meta, cm.slot_mapping, step.num_new_tokens, step)
         if dcp_over_pcp:
             other, _ = vllm_batch(computed, new, block_size=16, world=2, rank=1 - pcp_rank)
             with pytest.raises(SlotMappingMismatch):
-                check_slot_mapping(meta, other.slot_mapping, vstep.num_tokens, vstep.step)
+                check_slot_mapping(meta, other.slot_mapping, step.num_new_tokens, step)
 
 
 @pytest.mark.parametrize("new", [[1, 21, 37, 1], [5, 6, 1, 3], [1]])
@@ -555,7 +555,7 @@ def test_hidden_restore_rows_from_every_pcp_rank(new):
     for wanted in wanted_sets:
         packs, owners = [], []
         for rank in range(2):
-            vstep, meta = build(cm, config, CPRanks(rank, 0, 0))
+            step, meta = build(cm, config, CPRanks(rank, 0, 0))
             token_idx, pos = local_input_rows(meta)
             real = meta.local_token_idx[:meta.num_actual_tokens] >= 0
             assert torch.equal(pos[real], positions[token_idx[real]])  # RoPE positions
@@ -568,8 +568,8 @@ def test_hidden_restore_rows_from_every_pcp_rank(new):
         assert bool((owners[0] | owners[1]).all())
     if new == [5, 6, 1, 3]:  # prompts of 5 and 6 tokens end on rank 1 (chunks of 2)
         last = cm.query_start_loc_cpu[1:].long() - 1
-        vstep, meta1 = build(cm, config, CPRanks(1, 0, 0))
-        vstep, meta0 = build(cm, config, CPRanks(0, 0, 0))
+        step, meta1 = build(cm, config, CPRanks(1, 0, 0))
+        step, meta0 = build(cm, config, CPRanks(0, 0, 0))
         assert (rows_holding(meta1, last[:2]) >= 0).all() and (rows_holding(meta0, last[:2]) < 0).all()
     with pytest.raises(RuntimeError, match="held by no PCP rank"):
         pick_held_rows(torch.stack([torch.zeros(2, 9), torch.zeros(2, 9)]), torch.tensor([3, 4]))

@@ -9,7 +9,6 @@ may differ and rows are gathered / scattered with ``local_token_idx``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -78,17 +77,10 @@ def expected_vllm_dcp_rank(config: CPConfig, pcp_rank: int, tp_rank: int) -> int
     return config.kv_rank(pcp_rank, tp_rank % config.dcp_size)
 
 
-@dataclass(frozen=True)
-class VllmStep:
-    """A vLLM step as a :class:`StepSpec`; ``num_tokens`` = real tokens (``query_start_loc[-1]``)."""
-
-    step: StepSpec
-    num_tokens: int
-
-
 def step_from_vllm(query_start_loc_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor,
-                   block_table: torch.Tensor, num_reqs: int) -> VllmStep:
-    """StepSpec from vLLM's ``CommonAttentionMetadata`` fields (CPU tensors).
+                   block_table: torch.Tensor, num_reqs: int) -> StepSpec:
+    """StepSpec from vLLM's ``CommonAttentionMetadata`` fields (CPU tensors); its
+    ``num_new_tokens`` is vLLM's real tokens (``query_start_loc[num_reqs]``).
 
     query_start_loc_cpu: [>= R + 1]; seq_lens_cpu: [>= R] total length incl. this step;
     block_table: [>= R, max_blocks] (virtual blocks under DCP). Requests with no new tokens
@@ -105,7 +97,7 @@ def step_from_vllm(query_start_loc_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor
     if not (new > 0).all():  # batch padding: requests with no new tokens are dropped
         keep = np.flatnonzero(new > 0)
         computed, new, table = computed[keep], new[keep], table[torch.from_numpy(keep)]
-    return VllmStep(StepSpec(computed, new, table), int(qsl[-1]) if num_reqs else 0)
+    return StepSpec(computed, new, table)
 
 
 def row_order(meta: AttentionMetadata, num_tokens: int) -> torch.Tensor | None:

@@ -179,28 +179,28 @@ class CPVllmMetadataBuilder(AttentionMetadataBuilder[CPVllmMetadata]):
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> CPVllmMetadata:
         cm = common_attn_metadata
-        vstep = step_from_vllm(cm.query_start_loc_cpu, cm.seq_lens.cpu(),
+        step = step_from_vllm(cm.query_start_loc_cpu, cm.seq_lens.cpu(),
                                cm.block_table_tensor.cpu(), cm.num_reqs)
-        meta = self.inner.build(vstep.step)
-        check_slot_mapping(meta, cm.slot_mapping, vstep.num_tokens, vstep.step,
+        meta = self.inner.build(step)
+        check_slot_mapping(meta, cm.slot_mapping, step.num_new_tokens, step,
                            where=f"[rank {self.inner.ranks}] ")
         stats = self.kv_stats
-        if stats.add(meta, vstep.step, vstep.num_tokens):
+        if stats.add(meta, step, step.num_new_tokens):
             log.info("cp_attention KV shard %d/%d: stored %d of %d new tokens, decode rows "
                      "attended %d of %d cached keys (%d steps)", self.inner.kv_rank,
                      self.config.kv_world, stats.tokens_stored, stats.tokens, stats.decode_keys,
                      stats.decode_context, stats.steps)
-        rows = row_order(meta, vstep.num_tokens) if self.config.pcp_size == 1 else None
+        rows = row_order(meta, step.num_new_tokens) if self.config.pcp_size == 1 else None
         log.debug("cp_attention step: computed %s new %s reordered %s",
-                  vstep.step.num_computed_tokens, vstep.step.num_scheduled_tokens, rows is not None)
+                  step.num_computed_tokens, step.num_scheduled_tokens, rows is not None)
         if rows is not None and not self._reorder_seen:
             self._reorder_seen = True
             log.info("cp_attention: row order differs from vLLM's batch order (our rows put "
                      "decodes first); rows are gathered and scattered")
         qsl = cm.query_start_loc_cpu[:cm.num_reqs + 1].to(torch.int64)
-        num_rows = meta.num_actual_tokens if self.config.pcp_size > 1 else vstep.num_tokens
+        num_rows = meta.num_actual_tokens if self.config.pcp_size > 1 else step.num_new_tokens
         return CPVllmMetadata(meta, num_rows, rows, self.config.block_size, cm.slot_mapping,
-                              vstep.num_tokens, qsl[1:] - 1)
+                              step.num_new_tokens, qsl[1:] - 1)
 
 
 class CPVllmImpl(AttentionImpl[CPVllmMetadata]):
