@@ -14,7 +14,7 @@ reused across variants). Per rank and variant, one layer forward:
   after ``echo 5 > /proc/self/clear_refs``) minus its resident memory before it: every
   allocation of the forward (all-gather buffers, restored K/V, outputs, copies), Linux only;
   ``stages``: resident and peak memory (above the same base) right after the K/V all-gather
-  is restored (each wait of the step K/V) and after each ``varlen_attention`` call, to see
+  is restored and after each ``varlen_attention`` call, to see
   where the peak is.
 
 The "before" variant is the unmasked part as it was before ``seqused_k`` (kept here,
@@ -38,7 +38,7 @@ import torch
 from benchmarks.common import REPO_ROOT, write_json
 from cp_attention.backend import CPAttentionBackend
 from cp_attention.config import CPConfig
-from cp_attention.impl import pcp as pcp_impl
+from cp_attention.impl import self_part
 from cp_attention.metadata.common import StepSpec, ranges_concat
 from cp_attention.metadata.kv_layout import KVSharding
 from cp_attention.testing.pool import RankPool
@@ -98,18 +98,17 @@ def layer_task(rank: int, get_groups, tokens: int, variant: str) -> dict:
     cfg = CPConfig(pcp_size=2, block_size=128)
     groups = get_groups(cfg)
     if variant == "before":
-        pcp_impl.chunk_attention = _gathering_chunk_attention
+        self_part.chunk_attention = _gathering_chunk_attention
     impl, meta, q, k, v, cache, out = _layer(groups, cfg, 256, rank)
     impl.forward(None, q, k, v, cache, meta, output=out)  # warm-up
     impl, meta, q, k, v, cache, out = _layer(groups, cfg, tokens, rank)
     owned = {_storage(k), _storage(v)}  # the layer's own inputs: views of them are no copies
-    wait = pcp_impl.StepKV.wait
+    prefill = self_part.pcp_prefill_attention
 
-    def recording_wait(pending):
-        step_k, step_v = wait(pending)
-        owned.update((_storage(step_k), _storage(step_v)))
-        stage("step K/V wait (all-gather restored)")
-        return step_k, step_v
+    def recording_prefill(ops, q_pre, k_pre, v_pre, *args):
+        owned.update((_storage(k_pre), _storage(v_pre)))  # the restored step K/V
+        stage("step K/V restored (all-gather)")
+        return prefill(ops, q_pre, k_pre, v_pre, *args)
 
     copied = {"unmasked": 0, "diagonal": 0, "window": 0}
     stages = []
@@ -127,7 +126,7 @@ def layer_task(rank: int, get_groups, tokens: int, variant: str) -> dict:
         stage(f"{kind} varlen_attention")
         return result
 
-    pcp_impl.StepKV.wait = recording_wait
+    self_part.pcp_prefill_attention = recording_prefill
     impl.ops.varlen_attention = recording_varlen
     try:
         Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
@@ -138,7 +137,7 @@ def layer_task(rank: int, get_groups, tokens: int, variant: str) -> dict:
         seconds = time.perf_counter() - start
         peak = _status_kib("VmHWM")
     finally:
-        pcp_impl.StepKV.wait = wait
+        self_part.pcp_prefill_attention = prefill
     return {"rank": rank, "variant": variant, "local_rows": meta.num_actual_tokens,
             "kv_bytes_materialized": copied, "peak_extra_bytes": (peak - rss_before) * 1024,
             "stages": stages,

@@ -7,11 +7,16 @@ only the cache slots of its ``step_slot_mapping`` (the cache starts as random no
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections import defaultdict
 
+from pathlib import Path
+
 import numpy as np
 import torch
+
+import cp_attention.impl.base as impl_base
 
 from cp_attention.backend import CPAttentionBackend
 from cp_attention.config import CPConfig, CPRanks, heads_of_rank
@@ -19,7 +24,8 @@ from cp_attention.debug import assert_step_consistent, set_collective_timeout
 from cp_attention.errors import StepMismatchError
 from cp_attention.metadata.common import StepSpec
 from cp_attention.parallel import CPGroups
-from cp_attention.testing.workload import DTYPES, Workload, allocate_blocks, make_tokens, rows_error
+from cp_attention.testing.workload import (DTYPES, Workload, allocate_blocks, make_tokens,
+                                           rows_error, run_workload)
 
 
 def _sample(rows: np.ndarray, limit: int | None) -> np.ndarray:
@@ -184,3 +190,27 @@ def fault_worker(rank: int, world: int, port: int, w: Workload, fault: str, bad_
     outbox.close()
     outbox.join_thread()  # flush the queue's feeder thread before the hard exit
     os._exit(0)  # do not wait for a dead peer in destroy_process_group
+
+
+def module_visits_task(rank: int, get_groups, w: Workload) -> list[list[str]]:
+    """Run ``w`` on this rank and record, per layer forward, the ``cp_attention/impl`` modules
+    its Python calls enter, in order, consecutive calls in one module counted once."""
+    impl_dir = str(Path(impl_base.__file__).parent)
+    visits: list[list[str]] = []
+
+    def profile(frame, event, arg):
+        if event != "call" or not frame.f_code.co_filename.startswith(impl_dir):
+            return
+        module = Path(frame.f_code.co_filename).stem
+        if module == "base" and frame.f_code.co_name == "forward":
+            visits.append([])
+        if visits and (not visits[-1] or visits[-1][-1] != module):
+            visits[-1].append(module)
+
+    groups = get_groups(w.config) if w.config.uses_cp else None
+    sys.setprofile(profile)
+    try:
+        run_workload(w, rank, groups, check=False, device=get_groups.device)
+    finally:
+        sys.setprofile(None)
+    return visits

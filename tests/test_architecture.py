@@ -173,7 +173,7 @@ def test_the_forward_has_no_hooks():
     """A layer's forward is BaseAttentionImpl's list of steps: the step modules call no other
     impl module and CPAttentionImpl overrides no method but __init__ (docs/design.md)."""
     graph, _ = import_graph()
-    for step_module in ("cp_attention.impl.pcp", "cp_attention.impl.context"):
+    for step_module in ("cp_attention.impl.self_part", "cp_attention.impl.context"):
         assert not {m for m in graph[step_module] if m.startswith("cp_attention.impl")}
     overridden = [name for name, value in vars(cp_attention.CPAttentionImpl).items()
                   if callable(value) and name != "__init__"]

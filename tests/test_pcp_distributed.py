@@ -197,3 +197,21 @@ def workloads(draw) -> Workload:
 @given(w=workloads())
 def test_random_multistep_workloads(pools, w):
     run_and_check(pools, w)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_a_layer_enters_each_step_module_once(pools, window):
+    """A PCP x DCP layer (prefill with context, mixed steps, decodes) enters the self-part and
+    context modules in one run each: base orchestrates, no module returns to one it left."""
+    cfg = CPConfig(pcp_size=2, tp_size=2, dcp_size=2)
+    steps = (((0, 37), (1, 9)), ((0, 1), (1, 20), (2, 30)), ((0, 1), (1, 1), (2, 1)))
+    w = Workload(cfg, steps, num_heads=4, num_kv_heads=1, head_size=16, sliding_window=window)
+    entered = []
+    for visits in pools(cfg.world_size).run("numerics_tasks.module_visits_task", w):
+        assert len(visits) == len(steps)
+        for modules in visits:
+            entered.append([m for m in modules if m not in ("base", "checks")])
+            steps_entered = [m for m in modules if m not in ("base", "checks")]
+            assert steps_entered in (["self_part", "context"], ["self_part"], ["context"]), modules
+            assert all(modules.count(m) <= 1 for m in ("self_part", "context", "checks")), modules
+    assert ["self_part", "context"] in entered and ["context"] in entered  # both paths ran

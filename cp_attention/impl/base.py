@@ -1,7 +1,7 @@
 """The attention impl of one layer: the forward as explicit steps, for any group sizes. Each
-row attends the step's own new tokens (self part) and its request's cached context (context
-part), merged by LSE; the steps call :mod:`~cp_attention.impl.pcp` then
-:mod:`~cp_attention.impl.context`, each a no-op for a group of one rank."""
+row attends the step's own new tokens (self part, :mod:`~cp_attention.impl.self_part`) and its
+request's cached context (context part, :mod:`~cp_attention.impl.context`), merged by LSE; a
+layer enters each of the two modules once, and every collective is a no-op for a group of one."""
 from __future__ import annotations
 
 import torch
@@ -9,9 +9,8 @@ import torch
 from cp_attention.comm import Communicator
 from cp_attention.config import debug_checks_from_env
 from cp_attention.impl.checks import check_forward_call, check_forward_values
-from cp_attention.impl.context import (combine_dcp_a2a, combine_dcp_ag_rs, combine_pcp_a2a,
-                                       gather_context_queries)
-from cp_attention.impl.pcp import StepKV, gather_step_kv, pcp_prefill_attention
+from cp_attention.impl.context import context_attention, single_pass_attention
+from cp_attention.impl.self_part import self_attention
 from cp_attention.metadata.builder import AttentionMetadata
 from cp_attention.ops import AttentionOps, get_ops
 
@@ -78,7 +77,9 @@ class BaseAttentionImpl:
             v = v.masked_fill(pad_rows, 0)
 
         if meta.single_pass is not None:  # decode-only, queries not gathered (checked: decoder)
-            out = self._single_pass(q, k, v, kv_cache, meta)
+            out = single_pass_attention(self.ops, self.comm, q, k, v, *kv_cache.unbind(0), meta,
+                                        self.pcp_group, self.dcp_group, self.dcp_comm_backend,
+                                        self.scale)
         else:
             out = self._attention(q, k, v, kv_cache, meta)
         if pad_rows is not None:
@@ -93,76 +94,22 @@ class BaseAttentionImpl:
 
     def _attention(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         """The general plan: out [rows, Hq, D] of the local rows q [rows, Hq, D]."""
-        # 1. gather K/V: the step's prefill rows of every PCP rank (in flight during 2)
-        step_kv = gather_step_kv(self.comm, k, v, meta, self.pcp_group)
-        # 2. self part: every local row over the step's own new tokens
-        out, lse = self._self_part(q, k, v, step_kv, meta)
+        # 1, 2. gather the step's K/V over PCP; self part: local rows over the step's new tokens
+        (out, lse), step_kv = self_attention(self.ops, self.comm, q, k, v, meta, self.pcp_group,
+                                             self.scale, self.causal, self.sliding_window)
         if self.attn_type != "decoder":  # encoder-only: no cache, no context (checked)
             return out
         # 3. write cache: the step rows' K/V on this rank's shard
         key_cache, value_cache = kv_cache.unbind(0)
-        self.ops.reshape_and_cache(*step_kv.wait(), key_cache, value_cache,
-                                   meta.step_slot_mapping)
+        self.ops.reshape_and_cache(*step_kv, key_cache, value_cache, meta.step_slot_mapping)
         if not meta.has_context:
             return out
-        # 4. context part: the context rows' queries over this rank's KV shard
-        ctx_q = gather_context_queries(self.comm, q, meta, self.pcp_group, self.dcp_group)
-        ctx_out, ctx_lse = self.ops.paged_attention(
-            ctx_q, key_cache, value_cache, meta.ctx_block_table, meta.ctx_cu_seqlens,
-            meta.ctx_seq_lens, scale=self.scale, kv_start=meta.ctx_kv_start,
-            kv_end=meta.ctx_kv_end)
-        # 5. combine the shards' partials, then merge with the self part
-        ctx_out, ctx_lse = self._combine_context(ctx_out, ctx_lse, meta)
+        # 4, 5. context part: the local rows over every KV shard of their cached context
+        ctx_out, ctx_lse = context_attention(self.ops, self.comm, q, key_cache, value_cache, meta,
+                                             self.pcp_group, self.dcp_group,
+                                             self.dcp_comm_backend, self.scale)
         return self.ops.merge_attn_states(out, lse, ctx_out.to(out.dtype),
                                           ctx_lse.to(lse.dtype))[0]
-
-    def _single_pass(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        """Decode-only steps: steps 3 and 4 fused (write the step's K/V, then one paged call over
-        this rank's shard; no self part), then 5: out [rows, Hq, D]."""
-        key_cache, value_cache = kv_cache.unbind(0)
-        plan = meta.single_pass
-        ctx_q = gather_context_queries(self.comm, q, meta, self.pcp_group, self.dcp_group)
-        out, lse = self.ops.cache_and_paged_attention(
-            ctx_q, k, v, key_cache, value_cache, meta.step_slot_mapping, meta.ctx_block_table,
-            meta.ctx_cu_seqlens, plan.seq_lens, scale=self.scale, kv_start=plan.kv_start,
-            kv_end=plan.kv_end)
-        return self._combine_context(out, lse, meta)[0]
-
-    def _self_part(self, q, k, v, step_kv: StepKV, meta: AttentionMetadata):
-        """(out, lse) of every local row over the step's own new tokens: decode rows over
-        their own, prefill rows (PCP: head and tail chunks) over their prefill's."""
-        nd = meta.num_decode_tokens
-        if nd == q.shape[0]:
-            return self._varlen(q, k, v, meta.decode_cu_seqlens)
-        dec = self._varlen(q[:nd], k[:nd], v[:nd], meta.decode_cu_seqlens) if nd else None
-        q_pre, k_pre, v_pre = q[nd:], k[nd:], v[nd:]
-        if meta.pcp is not None and self.causal:
-            pre = pcp_prefill_attention(self.ops, q_pre, k_pre, v_pre, step_kv, meta.pcp, nd,
-                                        self.scale, self.sliding_window)
-        elif self.causal:
-            pre = self._varlen(q_pre, k_pre, v_pre, meta.prefill_cu_seqlens)
-        else:  # encoder-only: over the real tokens of each prefill
-            step_k, step_v = step_kv.wait()
-            real = meta.prefill_real_kv_idx
-            pre = self.ops.varlen_attention(q_pre, step_k[real], step_v[real],
-                                            meta.prefill_cu_seqlens,
-                                            meta.prefill_real_cu_seqlens, scale=self.scale,
-                                            causal=False)
-        return pre if dec is None else (torch.cat([dec[0], pre[0]]), torch.cat([dec[1], pre[1]]))
-
-    def _varlen(self, q, k, v, cu_seqlens):
-        """Causal (windowed) attention of rows over their own request's rows."""
-        return self.ops.varlen_attention(q, k, v, cu_seqlens, cu_seqlens, scale=self.scale,
-                                         causal=True, window=self.sliding_window)
-
-    def _combine_context(self, out: torch.Tensor, lse: torch.Tensor, meta: AttentionMetadata
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Partials over this rank's KV shard (out [context rows, dcp Hq, D], lse) -> the
-        context attention of the local rows over every shard: over DCP
-        (``dcp_comm_backend``), then over PCP. Identity on one rank."""
-        combine_dcp = combine_dcp_a2a if self.dcp_comm_backend == "a2a" else combine_dcp_ag_rs
-        out, lse = combine_dcp(self.comm, out, lse, self.dcp_group)
-        return combine_pcp_a2a(self.comm, out, lse, meta, self.pcp_group)
 
 
 def _head_rows(x: torch.Tensor, rows: int, heads: int, dim: int) -> torch.Tensor:

@@ -1,6 +1,7 @@
-"""The context part's collectives, each a function and a no-op for a group of one: the
-gather of the context queries and the three exact (LSE) combines of the shards' partials,
-DCP ag_rs, DCP a2a and the PCP all-to-all."""
+"""Steps 4 and 5 of the forward, the context part: the context rows' queries over this rank's
+KV shard, then the shards' partials combined exactly (LSE). Each collective is a function and
+a no-op for a group of one: the gather of the context queries and the three combines, DCP
+ag_rs, DCP a2a and the PCP all-to-all."""
 from __future__ import annotations
 
 import torch
@@ -8,10 +9,49 @@ import torch.distributed as dist
 
 from cp_attention.comm import Communicator, group_rank, group_size
 from cp_attention.metadata.builder import AttentionMetadata
-from cp_attention.ops import merge_many
+from cp_attention.ops import AttentionOps, merge_many
 
 DCP_COMM_BACKENDS = ("ag_rs", "a2a")
 Group = dist.ProcessGroup | None
+Partial = tuple[torch.Tensor, torch.Tensor]  # (out [rows, Hq, D], lse [rows, Hq])
+
+
+def context_attention(ops: AttentionOps, comm: Communicator, q: torch.Tensor,
+                      key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      meta: AttentionMetadata, pcp_group: Group, dcp_group: Group,
+                      dcp_comm_backend: str, scale: float) -> Partial:
+    """The local rows q [rows, Hq, D] over their requests' cached context on every KV shard."""
+    ctx_q = gather_context_queries(comm, q, meta, pcp_group, dcp_group)
+    out, lse = ops.paged_attention(ctx_q, key_cache, value_cache, meta.ctx_block_table,
+                                   meta.ctx_cu_seqlens, meta.ctx_seq_lens, scale=scale,
+                                   kv_start=meta.ctx_kv_start, kv_end=meta.ctx_kv_end)
+    return combine(comm, out, lse, meta, pcp_group, dcp_group, dcp_comm_backend)
+
+
+def single_pass_attention(ops: AttentionOps, comm: Communicator, q: torch.Tensor,
+                          k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
+                          value_cache: torch.Tensor, meta: AttentionMetadata, pcp_group: Group,
+                          dcp_group: Group, dcp_comm_backend: str, scale: float) -> torch.Tensor:
+    """Decode-only steps (``meta.single_pass``): write the step's K/V, then one paged call over
+    this rank's shard, which holds them (no self part), combined over the shards: out
+    [rows, Hq, D]."""
+    plan = meta.single_pass
+    ctx_q = gather_context_queries(comm, q, meta, pcp_group, dcp_group)
+    out, lse = ops.cache_and_paged_attention(
+        ctx_q, k, v, key_cache, value_cache, meta.step_slot_mapping, meta.ctx_block_table,
+        meta.ctx_cu_seqlens, plan.seq_lens, scale=scale, kv_start=plan.kv_start,
+        kv_end=plan.kv_end)
+    return combine(comm, out, lse, meta, pcp_group, dcp_group, dcp_comm_backend)[0]
+
+
+def combine(comm: Communicator, out: torch.Tensor, lse: torch.Tensor, meta: AttentionMetadata,
+            pcp_group: Group, dcp_group: Group, dcp_comm_backend: str) -> Partial:
+    """Partials over this rank's KV shard (out [context rows, dcp Hq, D], lse) -> the context
+    attention of the local rows over every shard: over DCP (``dcp_comm_backend``), then over
+    PCP. Identity on one rank."""
+    combine_dcp = combine_dcp_a2a if dcp_comm_backend == "a2a" else combine_dcp_ag_rs
+    out, lse = combine_dcp(comm, out, lse, dcp_group)
+    return combine_pcp_a2a(comm, out, lse, meta, pcp_group)
 
 
 def gather_context_queries(comm: Communicator, query: torch.Tensor, meta: AttentionMetadata,

@@ -1,6 +1,6 @@
 """Context-parallel attention impl (PCP, DCP and both): the CP constructor checks. The
 forward is :class:`~cp_attention.impl.base.BaseAttentionImpl`'s, the same steps over groups of
-more than one rank (:mod:`~cp_attention.impl.pcp`, :mod:`~cp_attention.impl.context`)."""
+more than one rank (:mod:`~cp_attention.impl.self_part`, :mod:`~cp_attention.impl.context`)."""
 from __future__ import annotations
 
 from cp_attention.impl.base import BaseAttentionImpl

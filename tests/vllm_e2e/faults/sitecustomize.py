@@ -24,19 +24,16 @@ ENV_FAULT = "CP_E2E_FAULT"
 
 
 def skip_dcp_combine() -> str:
-    from cp_attention.integrations.vllm.backend import CPVllmImpl
+    from cp_attention.comm import group_rank, group_size
+    from cp_attention.impl import context
 
-    init = CPVllmImpl.__init__
+    def own_heads_only(comm, out, lse, dcp_group):  # this rank's heads over its shard only
+        dcp = group_size(dcp_group)
+        mine = slice(group_rank(dcp_group) * out.shape[1] // dcp,
+                     (group_rank(dcp_group) + 1) * out.shape[1] // dcp)
+        return out[:, mine], lse[:, mine]
 
-    def faulty_init(self, *args, **kwargs) -> None:
-        init(self, *args, **kwargs)
-        inner = self.inner
-        if self.config.dcp_size > 1:
-            rank, heads = inner.groups.ranks.dcp_rank, inner.num_heads
-            mine = slice(rank * heads, (rank + 1) * heads)
-            inner._combine_context = lambda out, lse, meta: (out[:, mine], lse[:, mine])
-
-    CPVllmImpl.__init__ = faulty_init
+    context.combine_dcp_ag_rs = context.combine_dcp_a2a = own_heads_only
     return "DCP partials are NOT combined (results are wrong)"
 
 

@@ -1,0 +1,96 @@
+"""Steps 1 and 2 of the forward, the self part: every local row over the step's own new tokens.
+
+Under PCP the step's prefill K/V are all-gathered over the PCP group while each rank's head and
+tail chunks attend their causal diagonals on local rows (HeadTail, docs/pcp.md section 2); the
+step rows' K/V come back for the cache write. Without PCP it is one causal varlen call."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from cp_attention.comm import Communicator
+from cp_attention.metadata.builder import AttentionMetadata
+from cp_attention.metadata.pcp import PCPSplit
+from cp_attention.ops import AttentionOps
+
+Partial = tuple[torch.Tensor, torch.Tensor]  # (out [rows, Hq, D], lse [rows, Hq])
+
+
+def self_attention(ops: AttentionOps, comm: Communicator, q: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor, meta: AttentionMetadata, pcp_group: dist.ProcessGroup | None,
+                   scale: float, causal: bool, window: int | None
+                   ) -> tuple[Partial, tuple[torch.Tensor, torch.Tensor]]:
+    """Local rows q [rows, Hq, D] (k, v [rows, Hkv, D]) over the step's own new tokens: decode
+    rows over their own, prefill rows (PCP: head and tail chunks) over their prefill's
+    (``causal``; encoder-only: every real token). Returns the partial and the step rows' K/V
+    ``[step rows, Hkv, D]`` each (decode rows, then the prefill rows, restored under PCP)."""
+    nd, split = meta.num_decode_tokens, meta.pcp
+    gather = split is not None and split.num_local_rows > 0
+    if gather:  # 1. the all-gather of the local prefill rows, in flight during 2
+        local = torch.stack([k[nd:], v[nd:]], dim=1)  # [Lp, 2, Hkv, D]
+        gathered, work = comm.all_gather_async(local, pcp_group)
+    if nd == q.shape[0]:  # decode rows only: nothing gathered
+        return _causal(ops, q, k, v, meta.decode_cu_seqlens, scale, window), (k, v)
+    dec = _causal(ops, q[:nd], k[:nd], v[:nd], meta.decode_cu_seqlens, scale, window) if nd else None
+    q_pre, k_pre, v_pre = q[nd:], k[nd:], v[nd:]
+    diagonals, rows = None, split.chunk_q_idx.to(q.device) if gather else None  # [m, sum c]
+    if gather and causal and window is None:  # the chunks' diagonals while the gather flies
+        cu_q = split.chunk_cu_seqlens
+        diagonals = [ops.varlen_attention(q_pre[r], k_pre[r], v_pre[r], cu_q, cu_q, scale=scale,
+                                          causal=True) for r in rows]
+    step_k, step_v = k, v
+    if gather:  # restore the gathered rows in request order
+        if work is not None:
+            work.wait()
+        kv = gathered[split.pcp_allgather_restore_idx.to(k.device)]
+        step_k, step_v = ((torch.cat([k[:nd], kv[:, 0]]), torch.cat([v[:nd], kv[:, 1]]))
+                          if nd else (kv[:, 0], kv[:, 1]))  # prefill-only: no copy
+    if gather and causal:
+        pre = pcp_prefill_attention(ops, q_pre, step_k[nd:], step_v[nd:], split, rows,
+                                    diagonals, scale, window)
+    elif causal:
+        pre = _causal(ops, q_pre, k_pre, v_pre, meta.prefill_cu_seqlens, scale, window)
+    else:  # encoder-only: over the real tokens of each prefill
+        real = meta.prefill_real_kv_idx
+        pre = ops.varlen_attention(q_pre, step_k[real], step_v[real], meta.prefill_cu_seqlens,
+                                   meta.prefill_real_cu_seqlens, scale=scale, causal=False)
+    out = pre if dec is None else (torch.cat([dec[0], pre[0]]), torch.cat([dec[1], pre[1]]))
+    return out, (step_k, step_v)
+
+
+def _causal(ops: AttentionOps, q, k, v, cu_seqlens, scale: float, window: int | None) -> Partial:
+    """Causal (windowed) attention of rows over their own request's rows."""
+    return ops.varlen_attention(q, k, v, cu_seqlens, cu_seqlens, scale=scale, causal=True,
+                                window=window)
+
+
+def pcp_prefill_attention(ops: AttentionOps, q_pre: torch.Tensor, k_pre: torch.Tensor,
+                          v_pre: torch.Tensor, split: PCPSplit, rows: torch.Tensor,
+                          diagonals: list | None, scale: float, window: int | None) -> Partial:
+    """Local prefill rows q_pre [Lp, Hq, D] over each prefill's tokens up to their own;
+    k_pre, v_pre: the restored prefill rows; rows: ``split.chunk_q_idx`` on the device;
+    ``diagonals``: each chunk's causal part on local rows (None with a sliding window).
+    Returns out [Lp, Hq, D], lse [Lp, Hq] in local order."""
+    cu_q = split.chunk_cu_seqlens
+    restored_cu = cu_q * (2 * split.pcp_size)  # each prefill's 2 pcp c restored rows
+    outs, lses = zip(*(chunk_attention(ops, q_pre[r], k_pre, v_pre, cu_q, restored_cu, before,
+                                       None if diagonals is None else diagonals[j], scale, window)
+                       for j, (r, before) in enumerate(zip(rows, split.chunk_keys_before))))
+    local_order = split.q_full_idx.to(q_pre.device)  # [chunk rows...] -> local rows
+    return torch.cat(outs)[local_order], torch.cat(lses)[local_order]
+
+
+def chunk_attention(ops: AttentionOps, q_part, k_pre, v_pre, cu_q, restored_cu, keys_before,
+                    diagonal, scale: float, window: int | None) -> Partial:
+    """Attention of one chunk's queries ``q_part`` over the restored prefill K/V
+    (``restored_cu``: each prefill's rows): the ``keys_before`` ([P], ``k c``) keys before it
+    merged with its ``diagonal``, or with a sliding window one bottom-right causal call over
+    both (``(k + 1) c`` keys). Both read a prefix of each prefill's restored rows in place
+    (``seqused_k``)."""
+    if window is not None:
+        return ops.varlen_attention(q_part, k_pre, v_pre, cu_q, restored_cu, scale=scale,
+                                    causal=True, window=window,
+                                    seqused_k=keys_before + cu_q.diff())
+    before = ops.varlen_attention(q_part, k_pre, v_pre, cu_q, restored_cu, scale=scale,
+                                  causal=False, seqused_k=keys_before)
+    return ops.merge_attn_states(*before, *diagonal)
