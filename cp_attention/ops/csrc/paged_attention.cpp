@@ -8,7 +8,9 @@
 // prefetched meanwhile (decode does ~4 flop per byte read: without the overlap the DRAM
 // reads stall it about as long as it computes). Scores and probabilities are lane-parallel
 // over the rows (a lane group of up to 4 rows gets its scores from dot products over d
-// instead), the online softmax rescales the float32 accumulators, and long contexts are cut
+// instead; an item of 1 or 2 rows per KV head, a decode with a GQA group of 1 or 2, keeps
+// its scores and softmax with keys along the lanes, 8 keys per exp: run_item<.., kKeyRows>),
+// the online softmax rescales the float32 accumulators, and long contexts are cut
 // into several key ranges when threads would otherwise idle; those partials are merged by
 // their LSE at the end. Items are handed out dynamically to at::get_num_threads() workers.
 #include "paged_attention.h"
@@ -32,6 +34,7 @@ constexpr int64_t kRowsPerItem = 64;   // query rows (tokens x group heads) per 
 constexpr int64_t kMinSplitKeys = 512;  // shortest key range worth its own work item
 constexpr int64_t kMaxItemRows = 256;   // query rows of all KV heads of an item (scratch)
 constexpr ScoreBase kBase = ScoreBase::kNatural;  // scores q . k * scale
+constexpr int kKeyLaneRows = 2;  // items of at most this many rows per KV head: keys on lanes
 
 // Reads entries of an int32 or int64 2-D index tensor without converting it.
 struct IndexTable {
@@ -89,6 +92,7 @@ struct Scratch {
   std::vector<int64_t> grp_all_lo, grp_all_hi;  // [groups of one head] keys all lanes see
   std::vector<SoftmaxState> state;  // [groups]
   vf8 scores[kTileKeys];
+  alignas(32) float key_scores[kKeyLaneRows * kTileKeys];  // [row][key] (attend_key_lanes)
 
   Scratch(int64_t max_groups, int64_t dim) {
     const int64_t groups = max_groups;
@@ -432,8 +436,155 @@ CP_INLINE void attend_tile(const PagedProblem& pb, Scratch& s, int64_t rows, int
   }
 }
 
+// ---- items of at most kKeyLaneRows rows per KV head (decode, GQA group 1 or 2) ----------
+// Their scores are computed and soft-maxed with keys along the lanes (8 keys per exp, where
+// one lane per row would use 1 or 2 of each vector's 8 lanes).
+
+// out[r * kTileKeys + j] = q_r . K_j for R rows and J = 8 / R keys (dot products over d).
+template <int R, int J, typename key_t>
+CP_INLINE void qk_key_block(const float* q, const key_t* keys, int64_t key_stride, int64_t dim,
+                            float* out, TilePrefetcher& prefetch) {
+  vf8 acc[kLanes] = {};  // acc[j * R + r]
+  const int64_t vec_end = dim - dim % kLanes;
+  for (int64_t d = 0; d < vec_end; d += kLanes) {
+    vf8 k[J];
+    for (int j = 0; j < J; ++j) {
+      prefetch.step();
+      k[j] = load8(keys + j * key_stride + d);
+    }
+    for (int r = 0; r < R; ++r) {
+      const vf8 qv = load8(q + r * dim + d);
+      for (int j = 0; j < J; ++j) acc[j * R + r] += qv * k[j];
+    }
+  }
+  vf8 dots = reduce8(acc);  // lane j * R + r: q_r . K_j
+  if (vec_end < dim) {      // head sizes that are not a multiple of 8
+    for (int j = 0; j < J; ++j)
+      for (int r = 0; r < R; ++r)
+        for (int64_t d = vec_end; d < dim; ++d)
+          dots[j * R + r] += q[r * dim + d] * static_cast<float>(keys[j * key_stride + d]);
+  }
+  if constexpr (R == 1 && J == kLanes) {
+    store8(out, dots);
+  } else {
+    for (int j = 0; j < J; ++j)
+      for (int r = 0; r < R; ++r) out[r * kTileKeys + j] = dots[j * R + r];
+  }
+}
+
+template <int R, typename key_t>
+CP_INLINE void qk_key_rows(const float* q, const key_t* keys, int64_t key_stride, int n,
+                           int64_t dim, float* out, TilePrefetcher& prefetch) {
+  constexpr int J = kLanes / R;
+  int j = 0;
+  for (; j + J <= n; j += J)
+    qk_key_block<R, J>(q, keys + j * key_stride, key_stride, dim, out + j, prefetch);
+  for (; j < n; ++j)
+    qk_key_block<R, 1>(q, keys + j * key_stride, key_stride, dim, out + j, prefetch);
+}
+
+// softmax_tile for R rows of n <= kTileKeys scores with keys along the lanes (row r at
+// scores + r * kTileKeys; -inf = masked): folds them into lanes [0, R) of `state`,
+// overwrites them with the probabilities (0 past n) and returns each row's rescale factor.
+template <int R>
+CP_INLINE void softmax_key_rows(SoftmaxState& state, float* scores, int n, float* alpha) {
+  const int vecs = (n + kLanes - 1) / kLanes;
+  const vi8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
+  for (int r = 0; r < R; ++r) {
+    float* row = scores + r * kTileKeys;
+    if (n % kLanes) {  // keys past n: masked
+      float* last = row + (vecs - 1) * kLanes;
+      store8(last, lane < n % kLanes ? load8(last) : splat(kNegInf));
+    }
+    vf8 vm = load8(row);
+    for (int v = 1; v < vecs; ++v) vm = vmax(vm, load8(row + v * kLanes));
+    float tile_max = vm[0];
+    for (int i = 1; i < kLanes; ++i) tile_max = std::max(tile_max, vm[i]);
+    const float m_old = state.m[r], m_new = std::max(m_old, tile_max);
+    const float ref = m_new == kNegInf ? 0.0f : m_new;  // nothing visible yet: -inf stays
+    vf8 sum = splat(0.0f);
+    for (int v = 0; v < vecs; ++v) {
+      const vf8 p = pow_base<kBase>(load8(row + v * kLanes) - splat(ref));
+      store8(row + v * kLanes, p);
+      sum += p;
+    }
+    float total = sum[0];
+    for (int i = 1; i < kLanes; ++i) total += sum[i];
+    alpha[r] = pow_base<kBase>(splat(m_old - ref))[0];
+    state.l[r] = state.l[r] * alpha[r] + total;
+    state.m[r] = m_new;
+  }
+}
+
+// acc rows [0, R) = alpha[r] * acc + sum_j p[r][j] V_j over the n keys of the tile
+// (probabilities key-major: p + r * kTileKeys), 4 columns vectors per pass.
+template <int R, int C, typename value_t>
+CP_INLINE void pv_key_cols(float* acc, int64_t dim, const float* p, const float* alpha,
+                           const value_t* values, int64_t value_stride, int n, int64_t c0) {
+  vf8 a[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c)
+      a[r][c] = load8(acc + r * dim + c0 + c * kLanes) * splat(alpha[r]);
+  for (int j = 0; j < n; ++j) {
+    const value_t* v = values + j * value_stride + c0;
+    vf8 vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = load8(v + c * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const vf8 pr = splat(p[r * kTileKeys + j]);
+      for (int c = 0; c < C; ++c) a[r][c] += pr * vv[c];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) store8(acc + r * dim + c0 + c * kLanes, a[r][c]);
+}
+
+template <int R, typename value_t>
+CP_INLINE void pv_key_rows(float* acc, int64_t dim, const float* p, const float* alpha,
+                           const value_t* values, int64_t value_stride, int n) {
+  const int64_t vec_end = dim - dim % kLanes;
+  int64_t c = 0;
+  for (; c + 4 * kLanes <= vec_end; c += 4 * kLanes)
+    pv_key_cols<R, 4>(acc, dim, p, alpha, values, value_stride, n, c);
+  for (; c < vec_end; c += kLanes)
+    pv_key_cols<R, 1>(acc, dim, p, alpha, values, value_stride, n, c);
+  for (int r = 0; r < R; ++r)  // head sizes that are not a multiple of 8
+    for (int64_t d = vec_end; d < dim; ++d) {
+      float x = acc[r * dim + d] * alpha[r];
+      for (int j = 0; j < n; ++j)
+        x += p[r * kTileKeys + j] * static_cast<float>(values[j * value_stride + d]);
+      acc[r * dim + d] = x;
+    }
+}
+
+// attend_tile for an item of R <= kKeyLaneRows rows per KV head (one lane group, g = 0).
+template <int R, typename kv_t>
+CP_INLINE void attend_key_lanes(const PagedProblem& pb, Scratch& s, int64_t h, int64_t t, int n,
+                                const kv_t* keys, int64_t key_stride, const kv_t* values,
+                                int64_t value_stride, TilePrefetcher& prefetch) {
+  if (s.grp_lo[0] >= t + n || s.grp_hi[0] <= t) return;  // no row sees this tile
+  const int64_t dim = pb.dim;
+  qk_key_rows<R>(s.q_rows.data() + h * kLanes * dim, keys, key_stride, n, dim, s.key_scores,
+                 prefetch);
+  if (!(s.grp_all_lo[0] <= t && s.grp_all_hi[0] >= t + n)) {  // a row sees part of the tile
+    const vi8 key = {0, 1, 2, 3, 4, 5, 6, 7};
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < n; j += kLanes) {
+        const vi8 pos = key + splat_i(static_cast<int32_t>(t + j));
+        float* sc = s.key_scores + r * kTileKeys + j;
+        store8(sc, (pos >= splat_i(s.lo[0][r])) & (pos < splat_i(s.hi[0][r])) ? load8(sc)
+                                                                         : splat(kNegInf));
+      }
+  }
+  float alpha[R];
+  softmax_key_rows<R>(s.state[h], s.key_scores, n, alpha);
+  pv_key_rows<R>(s.acc.data() + h * kLanes * dim, dim, s.key_scores, alpha, values,
+                 value_stride, n);
+}
+
 // Not inlined into the work queue's loop: there the fp32 decode ran 1.3x slower (8/1 heads).
-template <typename scalar_t>
+// kKeyRows: the item's rows per KV head when they are at most kKeyLaneRows
+// (attend_key_lanes), else 0 (attend_tile: lane groups of one row per lane).
+template <typename scalar_t, int kKeyRows>
 __attribute__((noinline)) void run_item(const PagedProblem& pb, const WorkItem& item,
                                         Scratch& s, float* out, float* lse, float* part_out,
                                         float* part_lse, std::atomic<bool>& bad_block) {
@@ -502,12 +653,17 @@ __attribute__((noinline)) void run_item(const PagedProblem& pb, const WorkItem& 
     for (int64_t h = 0; h < heads; ++h) {
       const scalar_t* k_src = k_tile + h * pb.k_stride[2];
       const scalar_t* v_src = v_tile + h * pb.v_stride[2];
+      if constexpr (kKeyRows > 0) {
+        attend_key_lanes<kKeyRows>(pb, s, h, t, n, k_src, pb.k_stride[1], v_src,
+                                   pb.v_stride[1], prefetch);
+        continue;
+      }
       if (in_place) {
         attend_tile(pb, s, rows, groups, h, t, n, k_src, pb.k_stride[1], v_src,
                     pb.v_stride[1], prefetch);
         continue;
       }
-      if constexpr (!std::is_same_v<scalar_t, float>) {
+      if constexpr (!std::is_same_v<scalar_t, float> && kKeyRows == 0) {
         for (int j = 0; j < n; ++j) {
           to_float(k_src + j * pb.k_stride[1], s.k_buf.data() + j * dim, dim);
           to_float(v_src + j * pb.v_stride[1], s.v_buf.data() + j * dim, dim);
@@ -706,8 +862,12 @@ void run_paged(const PagedProblem& pb, const PagedPlan& plan, at::ScalarType kv_
     using scalar_t = decltype(type_tag);
     run_queue(num_items, [&] { return Scratch(plan.max_groups, pb.dim); },
               [&](int64_t i, Scratch& s) {
-                run_item<scalar_t>(pb, plan.items[i], s, out, lse, part_out.data(),
-                                   part_lse.data(), bad_block);
+                const WorkItem& item = plan.items[i];
+                const int64_t rows = (item.t1 - item.t0) * pb.group;  // per KV head
+                auto run = rows == 1   ? run_item<scalar_t, 1>
+                           : rows == 2 ? run_item<scalar_t, 2>
+                                       : run_item<scalar_t, 0>;
+                run(pb, item, s, out, lse, part_out.data(), part_lse.data(), bad_block);
               });
   };
   if (kv_dtype == at::kFloat) {
