@@ -72,7 +72,7 @@ def pcp_prefill_attention(ops: AttentionOps, q_pre: torch.Tensor, k_pre: torch.T
     ``diagonals``: each chunk's causal part on local rows (None with a sliding window).
     Returns out [Lp, Hq, D], lse [Lp, Hq] in local order."""
     cu_q = split.chunk_cu_seqlens
-    restored_cu = cu_q * (2 * split.pcp_size)  # each prefill's 2 pcp c restored rows
+    restored_cu = cu_q * split.partition.num_chunks  # each prefill's restored (padded) rows
     outs, lses = zip(*(chunk_attention(ops, q_pre[r], k_pre, v_pre, cu_q, restored_cu, before,
                                        None if diagonals is None else diagonals[j], scale, window)
                        for j, (r, before) in enumerate(zip(rows, split.chunk_keys_before))))
