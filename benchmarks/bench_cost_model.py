@@ -88,11 +88,17 @@ def fit_link(sizes: list[int], seconds: list[float]) -> tuple[float, float]:
     return latency, 1.0 / max(slope, 1e-15)
 
 
+def speed_rows(speed_json: Path) -> list[dict]:
+    """bench_speed's rows of SPEED_SHAPE's heads (4/4; rows without heads predate the axis)."""
+    return [r for r in json.loads(speed_json.read_text())["rows"]
+            if (r.get("q_heads", 4), r.get("kv_heads", 4)) == (4, 4)]
+
+
 def validate(device: costmodel.Device, speed_json: Path) -> list[dict]:
     if not speed_json.exists():
         return []
     rows = []
-    for r in json.loads(speed_json.read_text())["rows"]:
+    for r in speed_rows(speed_json):
         s = r["tokens"]
         p1 = costmodel.prefill_estimate(SPEED_SHAPE, device, s, 1).total_s
         p2 = costmodel.prefill_estimate(SPEED_SHAPE, device, s, 2).total_s
@@ -152,8 +158,7 @@ def run(out_dir: str | Path, quick: bool = False) -> dict:
     flops_source = "micro-benchmark (SDPA, 1 thread)"
     fit_flops = flops
     if speed_json.exists():  # same run, same load as the pcp=2 times it is compared with
-        fit_flops = statistics.median(r["pcp1_gflops"] * 1e9
-                                      for r in json.loads(speed_json.read_text())["rows"])
+        fit_flops = statistics.median(r["pcp1_gflops"] * 1e9 for r in speed_rows(speed_json))
         flops_source = "median pcp=1 FLOP/s of bench_speed.json (same run as the pcp=2 times)"
     fitted = replace(stored, flops=fit_flops, link_bw=bw, link_latency_s=latency)
     prompts = (131072, 262144, 524288, 1048576)

@@ -358,10 +358,15 @@ def _skip_reason(case: Case, max_kv_gib: float, max_prefill_tflop: float) -> str
     return None
 
 
+MAX_DECODE_REPEATS = 200
+
+
 def measure_matrix_row(case: Case, sequential: bool, repeats: int, with_vllm: bool,
                        roof: tuple[float, float]) -> dict:
     """One matrix row: vLLM's kernel, ours (decode: on both cache layouts), SDPA; min of
-    interleaved repeats; ours as a fraction of its roofline."""
+    interleaved repeats (decode: at least ``repeats``, more for short calls, up to
+    MAX_DECODE_REPEATS, so a 50 µs call is not judged on 3 cold samples); ours as a fraction
+    of its roofline."""
     problem = Problem(case, with_vllm, sequential=sequential)
     impls = {"ours": problem.ours, "sdpa": problem.sdpa}
     if case.kind == "decode":
@@ -370,6 +375,8 @@ def measure_matrix_row(case: Case, sequential: bool, repeats: int, with_vllm: bo
         impls["vllm"] = problem.vllm_kernel
     reference = problem.ours().float()
     diff = max((fn().float() - reference).abs().max().item() for fn in impls.values())
+    if case.kind == "decode":  # short calls: enough repeats for ~50 ms per implementation
+        repeats = min(MAX_DECODE_REPEATS, max(repeats, int(0.05 / _timed(problem.ours))))
     samples = {name: [] for name in impls}
     for rep in range(repeats):
         for name, fn in impls.items():

@@ -1,8 +1,9 @@
 """Causal prefill wall time, one thread per rank: SDPA and the bare op on one device, the
 pcp=1 layer, pcp=2, and PyTorch's ring CP.
 
-One request of S tokens (S = 8k, 16k, 32k), 4 heads (MHA), head size 64, fp32, one layer,
-no cached context. Timed: the attention layer's forward on each rank (for cp_attention this
+One request of S tokens (S = 8k, 16k, 32k), head size 64, fp32, one layer, no cached
+context, for each (query heads, KV heads) of ``HEAD_SHAPES``: 4/4 (the MHA rows the cost model
+validates on), 8/8 and 32/8 (GQA; SDPA and PyTorch's ring CP get ``enable_gqa=True``). Timed: the attention layer's forward on each rank (for cp_attention this
 includes the K/V all-gather and the KV-cache write; for PyTorch's ring CP, the
 ``scaled_dot_product_attention`` call inside ``context_parallel``, which includes its ring
 K/V exchange); the step time of a parallel run is the slowest rank's. pcp=1 runs in this
@@ -38,32 +39,36 @@ from cp_attention.ops import get_ops
 from cp_attention.testing.pool import RankPool
 
 NAME = "bench_speed"
-HEADS, HEAD_SIZE = 4, 64
+HEAD_SIZE = 64
+HEAD_SHAPES = ((4, 4), (8, 8), (32, 8))  # (query heads, KV heads)
+QUICK_HEAD_SHAPES = ((4, 4), (8, 2))
 
 
-def _prepare(pcp: int, rank: int, groups, tokens: int):
-    """One rank's layer, metadata, local q/k/v rows and KV cache for a ``tokens`` prefill."""
+def _prepare(pcp: int, rank: int, groups, tokens: int, heads: tuple[int, int]):
+    """One rank's layer, metadata, local q/k/v rows and KV cache for a ``tokens`` prefill
+    with ``heads`` = (query heads, KV heads)."""
+    hq, hkv = heads
     cfg = CPConfig(pcp_size=pcp, block_size=128)
     ranks = groups.ranks if groups is not None else CPRanks.of(cfg, rank)
     num_blocks = int(KVSharding.of(cfg).blocks_needed(np.array([tokens]))[0]) + 1
     builder = CPAttentionBackend.get_builder_cls(cfg)(cfg, ranks, None, num_blocks)
     extra = {"groups": groups} if cfg.uses_cp else {}
-    impl = CPAttentionBackend.get_impl_cls(cfg)(HEADS, HEAD_SIZE, HEAD_SIZE ** -0.5, HEADS,
-                                                **extra)
+    impl = CPAttentionBackend.get_impl_cls(cfg)(hq, HEAD_SIZE, HEAD_SIZE ** -0.5, hkv, **extra)
     spec = StepSpec((0,), (tokens,), torch.arange(num_blocks, dtype=torch.int32)[None])
     meta = builder.build(spec)
     gen = torch.Generator().manual_seed(rank)
-    q, k, v = (torch.randn(meta.num_input_tokens, HEADS, HEAD_SIZE, generator=gen)
-               for _ in range(3))
-    cache = torch.zeros(CPAttentionBackend.get_kv_cache_shape(num_blocks, cfg.block_size, HEADS,
+    q, k, v = (torch.randn(meta.num_input_tokens, n, HEAD_SIZE, generator=gen)
+               for n in (hq, hkv, hkv))
+    cache = torch.zeros(CPAttentionBackend.get_kv_cache_shape(num_blocks, cfg.block_size, hkv,
                                                               HEAD_SIZE))
     return impl, meta, q, k, v, cache
 
 
-def time_forward(pcp: int, rank: int, groups, tokens: int, repeats: int) -> dict:
+def time_forward(pcp: int, rank: int, groups, tokens: int, repeats: int,
+                 heads: tuple[int, int]) -> dict:
     """Wall and process-CPU seconds of the layer forward (min over ``repeats``)."""
     import torch.distributed as dist
-    impl, meta, q, k, v, cache = _prepare(pcp, rank, groups, tokens)
+    impl, meta, q, k, v, cache = _prepare(pcp, rank, groups, tokens, heads)
     out = torch.empty_like(q)
     walls, cpus = [], []
     for _ in range(repeats):
@@ -77,18 +82,20 @@ def time_forward(pcp: int, rank: int, groups, tokens: int, repeats: int) -> dict
             "local_rows": meta.num_actual_tokens, "output_finite": bool(out.isfinite().all())}
 
 
-def time_single_device(tokens: int, repeats: int) -> dict:
+def time_single_device(tokens: int, repeats: int, heads: tuple[int, int]) -> dict:
     """Wall seconds (min over ``repeats``) of the same problem on one device without a layer:
     ``F.scaled_dot_product_attention`` (what a user without CP calls) and the bare op
     ``get_ops("cpu").varlen_attention`` (the pcp=1 layer's kernel, no cache write, no
     bookkeeping)."""
     import torch.nn.functional as F
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(tokens, HEADS, HEAD_SIZE, generator=gen) for _ in range(3))
+    q, k, v = (torch.randn(tokens, n, HEAD_SIZE, generator=gen) for n in (heads[0], heads[1], heads[1]))
     cu = torch.tensor([0, tokens], dtype=torch.int64)
     ops = get_ops("cpu")
     q4, k4, v4 = (x.transpose(0, 1).unsqueeze(0).contiguous() for x in (q, k, v))  # [1, H, S, D]
-    calls = {"sdpa": lambda: F.scaled_dot_product_attention(q4, k4, v4, is_causal=True),
+    gqa = heads[0] != heads[1]
+    calls = {"sdpa": lambda: F.scaled_dot_product_attention(q4, k4, v4, is_causal=True,
+                                                            enable_gqa=gqa),
              "bare_op": lambda: ops.varlen_attention(q, k, v, cu, cu, scale=HEAD_SIZE ** -0.5,
                                                      causal=True)}
     for call in calls.values():  # warm-up (first-call allocations, kernel build)
@@ -102,15 +109,17 @@ def time_single_device(tokens: int, repeats: int) -> dict:
     return {f"{name}_s": min(w) for name, w in walls.items()} | {"ops": ops.name}
 
 
-def cp_task(rank: int, get_groups, tokens: int, repeats: int = 1) -> dict:
+def cp_task(rank: int, get_groups, tokens: int, repeats: int = 1,
+            heads: tuple[int, int] = (4, 4)) -> dict:
     """Pool task: cp_attention with pcp = world size."""
     import torch.distributed as dist
     pcp = dist.get_world_size()
     return time_forward(pcp, rank, get_groups(CPConfig(pcp_size=pcp, block_size=128)), tokens,
-                        repeats)
+                        repeats, heads)
 
 
-def torch_ring_task(rank: int, get_groups, tokens: int, repeats: int = 1) -> dict:
+def torch_ring_task(rank: int, get_groups, tokens: int, repeats: int = 1,
+                    heads: tuple[int, int] = (4, 4)) -> dict:
     """Pool task: the same causal problem through torch's context_parallel (ring attention)."""
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -121,23 +130,56 @@ def torch_ring_task(rank: int, get_groups, tokens: int, repeats: int = 1) -> dic
     world = dist.get_world_size()
     mesh = DeviceMesh("cpu", torch.arange(world))
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, HEADS, tokens, HEAD_SIZE, generator=gen) for _ in range(3))
+    q, k, v = (torch.randn(1, n, tokens, HEAD_SIZE, generator=gen)
+               for n in (heads[0], heads[1], heads[1]))
+    gqa = heads[0] != heads[1]
     before = calls["forward"]
     walls, cpus = [], []
     with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):
         for _ in range(repeats):
             dist.barrier()
             wall, cpu = time.perf_counter(), time.process_time()
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
             cpus.append(time.process_time() - cpu)
             walls.append(time.perf_counter() - wall)
     return {"wall_s": min(walls), "cpu_s": min(cpus), "walls": walls,
             "ring_calls": (calls["forward"] - before) // repeats, "local_rows": int(out.shape[2])}
 
 
-def run(out_dir: str | Path, quick: bool = False, sizes=None, repeats: int | None = None) -> dict:
+def _measure(pool: RankPool, tokens: int, heads: tuple[int, int], reps: int) -> dict:
+    """One row: every implementation on a ``tokens`` prefill with ``heads`` (min of ``reps``)."""
+    one = time_forward(1, 0, None, tokens, reps, heads)
+    single = time_single_device(tokens, reps, heads)
+    two = pool.run("benchmarks.bench_speed.cp_task", tokens, reps, heads, timeout_s=600)
+    ring = pool.run("benchmarks.bench_speed.torch_ring_task", tokens, reps, heads,
+                    timeout_s=600)
+    s1, s2, sr = one["wall_s"], max(r["wall_s"] for r in two), max(r["wall_s"] for r in ring)
+    c1, c2, cr = one["cpu_s"], max(r["cpu_s"] for r in two), max(r["cpu_s"] for r in ring)
+    flops = 2.0 * tokens * tokens * heads[0] * HEAD_SIZE  # causal fwd: 4 * S^2/2 * Hq * D
+    return {"tokens": tokens, "q_heads": heads[0], "kv_heads": heads[1], "repeats": reps,
+            "pcp1_s": s1, "pcp2_s": s2, "torch_ring_s": sr,
+            "sdpa_s": single["sdpa_s"], "bare_op_s": single["bare_op_s"],
+            "pcp1_over_bare_op": s1 / single["bare_op_s"],
+            "speedup_pcp2_vs_sdpa": single["sdpa_s"] / s2,
+            "speedup_pcp2": s1 / s2, "efficiency_pcp2": s1 / (2 * s2),
+            "speedup_torch_ring": s1 / sr,
+            "cp_attention_vs_torch_ring": sr / s2,
+            "cpu_pcp1_s": c1, "cpu_pcp2_s": c2, "cpu_torch_ring_s": cr,
+            "cpu_speedup_pcp2": c1 / c2, "cpu_speedup_torch_ring": c1 / cr,
+            "pcp1_gflops": flops / s1 / 1e9,
+            "samples": {"pcp1": one["walls"], "pcp2": [r["walls"] for r in two],
+                        "torch_ring": [r["walls"] for r in ring]},
+            "torch_ring_calls_per_rank": min(r["ring_calls"] for r in ring),
+            "local_rows": {"pcp1": one["local_rows"], "pcp2": [r["local_rows"] for r in two],
+                           "torch_ring": [r["local_rows"] for r in ring]},
+            "outputs_finite": one["output_finite"] and all(r["output_finite"] for r in two)}
+
+
+def run(out_dir: str | Path, quick: bool = False, sizes=None, repeats: int | None = None,
+        head_shapes=None) -> dict:
     sizes = sizes or ((512, 1024) if quick else (8192, 16384, 32768))
     repeats = repeats or (1 if quick else 3)
+    head_shapes = head_shapes or (QUICK_HEAD_SHAPES if quick else HEAD_SHAPES)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     rows = []
@@ -145,44 +187,16 @@ def run(out_dir: str | Path, quick: bool = False, sizes=None, repeats: int | Non
         with RankPool(2, collective_timeout_s=300) as pool:
             pool.run("benchmarks.bench_speed.cp_task", 256)  # warm up (imports, groups)
             pool.run("benchmarks.bench_speed.torch_ring_task", 256)
-            for tokens in sizes:
-                reps = max(1, repeats if tokens < 32768 else repeats - 1)
-                one = time_forward(1, 0, None, tokens, reps)
-                single = time_single_device(tokens, reps)
-                two = pool.run("benchmarks.bench_speed.cp_task", tokens, reps, timeout_s=600)
-                ring = pool.run("benchmarks.bench_speed.torch_ring_task", tokens, reps,
-                                timeout_s=600)
-                s1 = one["wall_s"]
-                s2 = max(r["wall_s"] for r in two)
-                sr = max(r["wall_s"] for r in ring)
-                c1, c2, cr = (one["cpu_s"], max(r["cpu_s"] for r in two),
-                              max(r["cpu_s"] for r in ring))
-                flops = 2.0 * tokens * tokens * HEADS * HEAD_SIZE  # causal fwd: 4 * S^2/2 * H * D
-                rows.append({"tokens": tokens, "repeats": reps,
-                             "pcp1_s": s1, "pcp2_s": s2, "torch_ring_s": sr,
-                             "sdpa_s": single["sdpa_s"], "bare_op_s": single["bare_op_s"],
-                             "pcp1_over_bare_op": s1 / single["bare_op_s"],
-                             "speedup_pcp2_vs_sdpa": single["sdpa_s"] / s2,
-                             "speedup_pcp2": s1 / s2, "efficiency_pcp2": s1 / (2 * s2),
-                             "speedup_torch_ring": s1 / sr,
-                             "cp_attention_vs_torch_ring": sr / s2,
-                             "cpu_pcp1_s": c1, "cpu_pcp2_s": c2, "cpu_torch_ring_s": cr,
-                             "cpu_speedup_pcp2": c1 / c2, "cpu_speedup_torch_ring": c1 / cr,
-                             "pcp1_gflops": flops / s1 / 1e9,
-                             "samples": {"pcp1": one["walls"], "pcp2": [r["walls"] for r in two],
-                                         "torch_ring": [r["walls"] for r in ring]},
-                             "torch_ring_calls_per_rank": min(r["ring_calls"] for r in ring),
-                             "local_rows": {"pcp1": one["local_rows"],
-                                            "pcp2": [r["local_rows"] for r in two],
-                                            "torch_ring": [r["local_rows"] for r in ring]},
-                             "outputs_finite": one["output_finite"]
-                             and all(r["output_finite"] for r in two)})
+            for heads in head_shapes:
+                for tokens in sizes:
+                    rows.append(_measure(pool, tokens, heads,
+                                         max(1, repeats if tokens < 32768 else repeats - 1)))
     finally:
         torch.set_num_threads(threads)
     from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
     payload = {
-        "what": "causal prefill, one layer, one request, fp32, MHA, 1 thread per rank",
-        "shape": {"num_heads": HEADS, "num_kv_heads": HEADS, "head_size": HEAD_SIZE},
+        "what": "causal prefill, one layer, one request, fp32, 1 thread per rank",
+        "shape": {"head_shapes": [list(h) for h in head_shapes], "head_size": HEAD_SIZE},
         "statistic": "wall: min over repeats, parallel time = slowest rank; cpu: process CPU "
                      "seconds of the same call (less sensitive to other users of the cores)",
         "torch_ring_options": str(_cp_options),
@@ -205,7 +219,9 @@ def _plot(rows, out_dir):
     fig, (ax1, ax2) = new_figure(2)
     colors = series_colors(key for key, _ in SERIES)
     x = list(range(len(rows)))
-    labels = [human_tokens(r["tokens"]) for r in rows]
+    shapes = {(r.get("q_heads"), r.get("kv_heads")) for r in rows}
+    labels = [human_tokens(r["tokens"]) if len(shapes) == 1 else
+              f'{r["q_heads"]}/{r["kv_heads"]} {human_tokens(r["tokens"])}' for r in rows]
     width = 0.8 / len(SERIES)
     for i, (key, label) in enumerate(SERIES):
         offset = (i - (len(SERIES) - 1) / 2) * width
@@ -215,11 +231,11 @@ def _plot(rows, out_dir):
             ax2.plot(labels, [r["sdpa_s"] / r[key] for r in rows], "-o", label=label,
                      color=colors[key])
     ax1.set_xticks(x, labels)
-    ax1.set(xlabel="prompt tokens", ylabel="wall seconds (one layer)", title="causal prefill time")
+    ax1.set(xlabel="heads (q/kv), prompt tokens", ylabel="wall seconds (one layer)", title="causal prefill time")
     ax1.legend(fontsize=8)
     ax2.axhline(2.0, color="grey", ls=":", label="ideal (2 ranks)")
     ax2.axhline(1.85, color="red", ls=":", label="goal 1.85x (pcp=2)")
-    ax2.set(xlabel="prompt tokens", ylabel="speedup over single-device SDPA", ylim=(0, 2.2),
+    ax2.set(xlabel="heads (q/kv), prompt tokens", ylabel="speedup over single-device SDPA", ylim=(0, 2.2),
             title="speedup (2 ranks on a shared 2-core CPU)")
     ax2.legend(fontsize=8)
     ax2.grid(alpha=0.3)
@@ -231,7 +247,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(__doc__, argv)
     payload = run(args.out, args.quick)
     for r in payload["rows"]:
-        print(f"S={human_tokens(r['tokens'])}: pcp1 {r['pcp1_s']:.3f}s pcp2 {r['pcp2_s']:.3f}s "
+        print(f"{r['q_heads']}/{r['kv_heads']} S={human_tokens(r['tokens'])}: pcp1 {r['pcp1_s']:.3f}s pcp2 {r['pcp2_s']:.3f}s "
               f"ring {r['torch_ring_s']:.3f}s | speedup pcp2 {r['speedup_pcp2']:.2f} "
               f"(eff {r['efficiency_pcp2']:.2f}), ring {r['speedup_torch_ring']:.2f}, "
               f"ours/ring {r['cp_attention_vs_torch_ring']:.2f} | sdpa {r['sdpa_s']:.3f}s "

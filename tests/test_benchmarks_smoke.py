@@ -58,7 +58,8 @@ def test_comm(out):
 def test_speed_then_cost_model(out):
     bench_speed.run(out, quick=True)
     data = _load(out, "bench_speed")
-    assert [r["tokens"] for r in data["rows"]] == [512, 1024]
+    assert [(r["q_heads"], r["kv_heads"], r["tokens"]) for r in data["rows"]] == [
+        (4, 4, 512), (4, 4, 1024), (8, 2, 512), (8, 2, 1024)]  # the heads axis, GQA included
     for r in data["rows"]:
         for key in ("pcp1_s", "pcp2_s", "torch_ring_s", "cpu_pcp2_s", "sdpa_s", "bare_op_s"):
             assert 0 < r[key] < 60
