@@ -268,11 +268,12 @@ CP_INLINE vf8 reduce8(const vf8* a) {
          __builtin_shufflevector(quads[0], quads[1], 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
-// scores[j][r] = q_r . K_j for R rows (dim apart) and J keys, as dot products with lanes over
-// d; scores[j]'s other lanes get 0. Steps `prefetch` once per K vector it loads.
+// Lane j * R + r = q_r . K_j for R rows (dim apart) and J keys, as dot products with lanes
+// over d (head sizes not a multiple of 8 included); lanes past R * J are 0. Steps `prefetch`
+// once per K vector it loads.
 template <int R, int J, typename key_t>
-CP_INLINE void qk_dot_block(const float* q, const key_t* keys, int64_t key_stride, int64_t dim,
-                            vf8* scores, TilePrefetcher& prefetch) {
+CP_INLINE vf8 qk_dots(const float* q, const key_t* keys, int64_t key_stride, int64_t dim,
+                      TilePrefetcher& prefetch) {
   static_assert(R * J <= kLanes, "one accumulator per (row, key), reduced by reduce8");
   vf8 acc[kLanes] = {};  // acc[j * R + r]; the ones past R * J stay 0
   const int64_t vec_end = dim - dim % kLanes;
@@ -287,24 +288,24 @@ CP_INLINE void qk_dot_block(const float* q, const key_t* keys, int64_t key_strid
       for (int j = 0; j < J; ++j) acc[j * R + r] += qv * k[j];
     }
   }
-  const vf8 dots = reduce8(acc);
-  if (vec_end == dim) {  // lanes [jR, jR + R) of dots to lanes [0, R) of scores[j], in registers
-    const vi8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
-    for (int j = 0; j < J; ++j) {
-      const vf8 row = __builtin_shuffle(dots, (lane + j * R) & 7);
-      scores[j] = lane < R ? row : splat(0.f);
-    }
-    return;
-  }
-  for (int j = 0; j < J; ++j) {  // head sizes that are not a multiple of 8
-    vf8 row = splat(0.f);
-    for (int r = 0; r < R; ++r) {
-      float x = dots[j * R + r];
-      for (int64_t d = vec_end; d < dim; ++d)
-        x += q[r * dim + d] * static_cast<float>(keys[j * key_stride + d]);
-      row[r] = x;
-    }
-    scores[j] = row;
+  vf8 dots = reduce8(acc);
+  for (int64_t d = vec_end; d < dim; ++d)  // head sizes that are not a multiple of 8
+    for (int j = 0; j < J; ++j)
+      for (int r = 0; r < R; ++r)
+        dots[j * R + r] += q[r * dim + d] * static_cast<float>(keys[j * key_stride + d]);
+  return dots;
+}
+
+// scores[j][r] = q_r . K_j (qk_dots, lanes [jR, jR + R) moved to lanes [0, R) of scores[j] in
+// registers); scores[j]'s other lanes get 0.
+template <int R, int J, typename key_t>
+CP_INLINE void qk_dot_block(const float* q, const key_t* keys, int64_t key_stride, int64_t dim,
+                            vf8* scores, TilePrefetcher& prefetch) {
+  const vf8 dots = qk_dots<R, J>(q, keys, key_stride, dim, prefetch);
+  const vi8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
+  for (int j = 0; j < J; ++j) {
+    const vf8 row = __builtin_shuffle(dots, (lane + j * R) & 7);
+    scores[j] = lane < R ? row : splat(0.f);
   }
 }
 
@@ -440,30 +441,11 @@ CP_INLINE void attend_tile(const PagedProblem& pb, Scratch& s, int64_t rows, int
 // Their scores are computed and soft-maxed with keys along the lanes (8 keys per exp, where
 // one lane per row would use 1 or 2 of each vector's 8 lanes).
 
-// out[r * kTileKeys + j] = q_r . K_j for R rows and J = 8 / R keys (dot products over d).
+// out[r * kTileKeys + j] = q_r . K_j for R rows and J = 8 / R keys (qk_dots).
 template <int R, int J, typename key_t>
 CP_INLINE void qk_key_block(const float* q, const key_t* keys, int64_t key_stride, int64_t dim,
                             float* out, TilePrefetcher& prefetch) {
-  vf8 acc[kLanes] = {};  // acc[j * R + r]
-  const int64_t vec_end = dim - dim % kLanes;
-  for (int64_t d = 0; d < vec_end; d += kLanes) {
-    vf8 k[J];
-    for (int j = 0; j < J; ++j) {
-      prefetch.step();
-      k[j] = load8(keys + j * key_stride + d);
-    }
-    for (int r = 0; r < R; ++r) {
-      const vf8 qv = load8(q + r * dim + d);
-      for (int j = 0; j < J; ++j) acc[j * R + r] += qv * k[j];
-    }
-  }
-  vf8 dots = reduce8(acc);  // lane j * R + r: q_r . K_j
-  if (vec_end < dim) {      // head sizes that are not a multiple of 8
-    for (int j = 0; j < J; ++j)
-      for (int r = 0; r < R; ++r)
-        for (int64_t d = vec_end; d < dim; ++d)
-          dots[j * R + r] += q[r * dim + d] * static_cast<float>(keys[j * key_stride + d]);
-  }
+  const vf8 dots = qk_dots<R, J>(q, keys, key_stride, dim, prefetch);
   if constexpr (R == 1 && J == kLanes) {
     store8(out, dots);
   } else {
