@@ -121,7 +121,7 @@ def test_invariant_checker_catches_a_corrupted_plan() -> None:
         meta.pad_rows = None
 
     def break_restore(metas):
-        restore = metas[(0, 0)].pcp.pcp_allgather_restore_idx
+        restore = metas[(0, 0)].pcp_allgather_restore_idx
         restore[[0, 1]] = restore[[1, 0]]
 
     for mutate, fragment in ((move_slot, "has slot"), (drop_token, "computed on 0 rows"),

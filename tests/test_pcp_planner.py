@@ -123,14 +123,19 @@ def lst(t: torch.Tensor) -> list:
     return t.tolist()
 
 
-def plan_pcp_split(new_lens, pcp: int, rank: int):
-    """The HeadTail split of prefills of ``new_lens`` new tokens for ``rank``."""
-    return HeadTail(pcp).plan(np.asarray(new_lens, dtype=np.int64), rank)
+def plan_pcp_split(new_lens, pcp: int, rank: int) -> SimpleNamespace:
+    """The HeadTail split of prefills of ``new_lens`` new tokens for ``rank``: the PCP fields of
+    a metadata (``HeadTail.plan``) with the strategy, its chunk and padded lengths."""
+    partition, new_lens = HeadTail(pcp), np.asarray(new_lens, dtype=np.int64)
+    c = partition.chunk_lens(new_lens)
+    return SimpleNamespace(pcp_partition=partition, pcp_rank=rank, chunk_lens=c,
+                           padded_lens=partition.num_chunks * c,
+                           **partition.plan(new_lens, rank))
 
 
 def ascend(split) -> VllmAscendView:
-    """vLLM-Ascend's names of a split (the view of a plan holding only ``split``)."""
-    return VllmAscendView(SimpleNamespace(pcp=split))
+    """vLLM-Ascend's names of a split (the view of a plan holding only the PCP fields)."""
+    return VllmAscendView(split)
 
 
 # --------------------------------------------------------------------------------------------
@@ -164,7 +169,7 @@ def test_restore_after_gather_is_request_order(reqs, pcp):
                           for r in range(pcp)])
     expected = expected_restored(reqs, pcp)
     for rank in range(pcp):
-        split = metas[(rank, 0)].pcp
+        split = metas[(rank, 0)]
         restore = split.pcp_allgather_restore_idx
         assert restore.dtype == torch.int64
         assert sorted(lst(restore)) == list(range(len(gathered)))  # a permutation
@@ -201,9 +206,9 @@ def test_local_rows_positions_and_head_tail_index_sets(reqs, pcp):
         for slot, kind, chunk in ((0, "head", rank), (1, "tail", 2 * pcp - 1 - rank)):
             nomask = getattr(split, f"kv_with_q_{kind}_nomask_idx")
             mask = getattr(split, f"kv_with_q_{kind}_mask_idx")
-            used = meta.pcp.chunk_keys_before[slot].numpy() + np.array(chunks, dtype=np.int64)
+            used = meta.chunk_keys_before[slot].numpy() + np.array(chunks, dtype=np.int64)
             both = torch.from_numpy(ranges_concat(
-                cumsum0(meta.pcp.padded_lens)[:-1], used))  # the windowed call's keys
+                cumsum0(meta.padded_lens)[:-1], used))  # the windowed call's keys
             seqlens = getattr(split, f"{kind}_attn_nomask_seqlens")
             for idx in (nomask, mask, both):
                 assert all(0 <= v < len(restored) for v in lst(idx))
@@ -236,8 +241,8 @@ def test_prefill_free_step_has_empty_split(pcp):
         meta = metas[(rank, 0)]
         assert lst(meta.local_token_idx) == [0, 1, 2]
         assert lst(meta.positions) == [5, 17, 1]
-        assert meta.pcp.num_local_rows == 0
-        assert len(meta.pcp.pcp_allgather_restore_idx) == 0
+        assert meta.num_local_prefill_rows == 0 and len(meta.q_full_idx) == 0
+        assert len(meta.pcp_allgather_restore_idx) == 0
 
 
 @pytest.mark.parametrize("pcp", PCP_SIZES)
@@ -409,7 +414,7 @@ def test_closed_form_restore_and_scatter_equal_argsort(new_lens, pcp, data):
     restore = split.pcp_allgather_restore_idx.numpy()
     assert np.array_equal(restore, expected)
     assert np.array_equal(split.pcp_allgather_scatter_idx.numpy(), np.argsort(expected))
-    runs = split.partition.restore_runs(split.chunk_lens)  # [P, 2 pcp] first gathered rows
+    runs = split.pcp_partition.restore_runs(split.chunk_lens)  # [P, 2 pcp] first gathered rows
     assert np.array_equal(ranges_concat(runs.reshape(-1), split.chunk_lens.repeat(2 * pcp)),
                           expected)
 
@@ -425,7 +430,7 @@ def test_split_indices_in_range_and_offsets_match_lengths(new_lens, pcp, data):
     split = ascend(plan)
     chunks = np.array([-(-n // (2 * pcp)) for n in new_lens], dtype=np.int64)
     local, restored = 2 * int(chunks.sum()), 2 * pcp * int(chunks.sum())
-    assert plan.num_local_rows == local
+    assert len(plan.q_full_idx) == local
     for name in ("q_head_idx", "q_tail_idx", "q_full_idx"):
         idx = getattr(split, name).numpy()
         assert idx.dtype == np.int64 and ((0 <= idx) & (idx < local)).all(), name
@@ -451,10 +456,10 @@ def test_split_indices_in_range_and_offsets_match_lengths(new_lens, pcp, data):
     assert torch.equal(plan.chunk_q_idx[0], split.q_head_idx)
     assert torch.equal(plan.chunk_q_idx[1], split.q_tail_idx)
     # Bookkeeping rows agree with the index tensors.
-    restored_req, restored_pos = plan.partition.restored_rows(plan.chunk_lens)
+    restored_req, restored_pos = plan.pcp_partition.restored_rows(plan.chunk_lens)
     order = restored_req * (1 << 32) + restored_pos
     assert (np.diff(order) > 0).all()
-    gathered_req = np.concatenate([plan.partition.local_rows(plan.chunk_lens, r)[0]
+    gathered_req = np.concatenate([plan.pcp_partition.local_rows(plan.chunk_lens, r)[0]
                                    for r in range(pcp)])
     assert np.array_equal(gathered_req[plan.pcp_allgather_restore_idx.numpy()], restored_req)
 

@@ -71,7 +71,7 @@ def _meta(rank: int, kv_shard: str = "cp"):
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_split_indices(rank):
-    split = _meta(rank).pcp
+    split = _meta(rank)
     assert split.chunk_lens.tolist() == [2, 2]
     view = VllmAscendView(_meta(rank))
     for name, expected in EXPECTED[rank].items():

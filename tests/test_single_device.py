@@ -184,23 +184,27 @@ def test_cp_routing_needs_groups():
 def test_decode_only_step_plans_one_paged_pass():
     table = torch.zeros(2, 1, dtype=torch.int32)
     spec = StepSpec((5, 9), (1, 3), table)
-    plan = MetadataBuilder(CPConfig(decode_threshold=3), sliding_window=4).build(spec).single_pass
-    assert plan.seq_lens.tolist() == [6, 12]  # the cache after this step's write
-    assert plan.kv_end.tolist() == [6, 10, 11, 12]  # bottom-right causal: positions 5, 9, 10, 11
-    assert plan.kv_start.tolist() == [2, 6, 7, 8]  # window 4: keys p - 3 .. p
-    plain = MetadataBuilder(CPConfig()).build(StepSpec((5, 9), (1, 1), table)).single_pass
-    assert plain.seq_lens.tolist() == [6, 10] and plain.kv_start is None and plain.kv_end is None
-    with_prefill = StepSpec((5, 0), (1, 4), table)
-    assert MetadataBuilder(CPConfig()).build(with_prefill).single_pass is None
+    plan = MetadataBuilder(CPConfig(decode_threshold=3), sliding_window=4).build(spec)
+    assert plan.single_pass
+    assert plan.single_pass_seq_lens.tolist() == [6, 12]  # the cache after this step's write
+    # bottom-right causal: positions 5, 9, 10, 11; window 4: keys p - 3 .. p
+    assert plan.single_pass_kv_end.tolist() == [6, 10, 11, 12]
+    assert plan.single_pass_kv_start.tolist() == [2, 6, 7, 8]
+    plain = MetadataBuilder(CPConfig()).build(StepSpec((5, 9), (1, 1), table))
+    assert plain.single_pass and plain.single_pass_seq_lens.tolist() == [6, 10]
+    assert plain.single_pass_kv_start is None and plain.single_pass_kv_end is None
+    with_prefill = MetadataBuilder(CPConfig()).build(StepSpec((5, 0), (1, 4), table))
+    assert not with_prefill.single_pass and with_prefill.single_pass_seq_lens is None
     dcp = CPConfig(tp_size=2, dcp_size=2, decode_threshold=3)
-    shard = CPMetadataBuilder(dcp, CPRanks.of(dcp, 1)).build(spec).single_pass
-    assert shard.seq_lens.tolist() == [3, 6]  # odd positions live on DCP rank 1
-    assert shard.kv_start is None and shard.kv_end.tolist() == [3, 5, 5, 6]
+    shard = CPMetadataBuilder(dcp, CPRanks.of(dcp, 1)).build(spec)
+    assert shard.single_pass_seq_lens.tolist() == [3, 6]  # odd positions live on DCP rank 1
+    assert shard.single_pass_kv_start is None
+    assert shard.single_pass_kv_end.tolist() == [3, 5, 5, 6]
     pcp = CPConfig(pcp_size=2, decode_threshold=3)  # the cache is sharded over PCP ranks too
     over_pcp = CPMetadataBuilder(pcp, CPRanks.of(pcp, 1)).build(spec)
-    assert over_pcp.ctx_over_pcp and over_pcp.single_pass.seq_lens.tolist() == [3, 6]
+    assert over_pcp.ctx_over_pcp and over_pcp.single_pass_seq_lens.tolist() == [3, 6]
     mixed = CPMetadataBuilder(pcp, CPRanks()).build(StepSpec((5, 0), (1, 4), table))
-    assert mixed.single_pass is None  # prefill queries are gathered over PCP: general plan
+    assert not mixed.single_pass  # prefill queries are gathered over PCP: general plan
 
 
 def test_decode_only_forward_is_one_write_and_one_paged_call():
@@ -225,7 +229,7 @@ def test_decode_only_forward_is_one_write_and_one_paged_call():
     # the same rows through the general plan (self part + context part, merged by LSE)
     calls.clear()
     fresh = cache.clone()
-    general = dataclasses.replace(meta, single_pass=None)
+    general = dataclasses.replace(meta, single_pass=False)
     expected = impl.forward(None, q, kv, kv, fresh, general, output=torch.empty_like(q))
     assert "merge_attn_states" in calls
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)

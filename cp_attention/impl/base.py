@@ -76,7 +76,7 @@ class BaseAttentionImpl:
             k = k.masked_fill(pad_rows, 0)
             v = v.masked_fill(pad_rows, 0)
 
-        if meta.single_pass is not None:  # decode-only, queries not gathered (checked: decoder)
+        if meta.single_pass:  # decode-only, queries not gathered (checked: decoder)
             out = single_pass_attention(self.ops, self.comm, q, k, v, *kv_cache.unbind(0), meta,
                                         self.pcp_group, self.dcp_group, self.dcp_comm_backend,
                                         self.scale)

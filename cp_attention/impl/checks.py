@@ -46,12 +46,12 @@ def check_forward_call(impl, layer, query: torch.Tensor, key: torch.Tensor, valu
                                   f" but this layer uses {impl.sliding_window}")
     _check_tensors(impl, query, key, value, output, meta)
     groups = impl.groups
-    if meta.pcp is not None and groups is not None:
-        if meta.pcp.pcp_rank != groups.ranks.pcp_rank:
-            raise AttentionLayerError(f"metadata was built for pcp_rank={meta.pcp.pcp_rank}, "
+    if groups is not None:
+        if meta.pcp_rank != groups.ranks.pcp_rank:
+            raise AttentionLayerError(f"metadata was built for pcp_rank={meta.pcp_rank}, "
                                       f"this rank is pcp_rank={groups.ranks.pcp_rank}")
-        if meta.pcp.pcp_size != groups.config.pcp_size:
-            raise AttentionLayerError(f"metadata was built for pcp_size={meta.pcp.pcp_size}, "
+        if meta.pcp_size != groups.config.pcp_size:
+            raise AttentionLayerError(f"metadata was built for pcp_size={meta.pcp_size}, "
                                       f"the impl uses pcp_size={groups.config.pcp_size}")
     if impl.attn_type == "encoder_only":
         if meta.has_context or meta.num_decodes:
@@ -143,7 +143,7 @@ def check_forward_values(query: torch.Tensor, key: torch.Tensor, value: torch.Te
 def _check_cumulative(meta: AttentionMetadata) -> None:
     """decode / prefill / context cu_seqlens: from 0, non-decreasing, ending at their rows."""
     num_dec, num_pre = meta.num_decode_tokens, meta.num_actual_tokens - meta.num_decode_tokens
-    ctx_copies = meta.pcp.pcp_size if meta.ctx_over_pcp else 1
+    ctx_copies = meta.pcp_size if meta.ctx_over_pcp else 1
     for name, rows in (("decode_cu_seqlens", num_dec), ("prefill_cu_seqlens", num_pre),
                        ("ctx_cu_seqlens", num_dec + ctx_copies * num_pre)):
         try:

@@ -35,12 +35,11 @@ def single_pass_attention(ops: AttentionOps, comm: Communicator, q: torch.Tensor
     """Decode-only steps (``meta.single_pass``): write the step's K/V, then one paged call over
     this rank's shard, which holds them (no self part), combined over the shards: out
     [rows, Hq, D]."""
-    plan = meta.single_pass
     ctx_q = gather_context_queries(comm, q, meta, pcp_group, dcp_group)
     out, lse = ops.cache_and_paged_attention(
         ctx_q, k, v, key_cache, value_cache, meta.step_slot_mapping, meta.ctx_block_table,
-        meta.ctx_cu_seqlens, plan.seq_lens, scale=scale, kv_start=plan.kv_start,
-        kv_end=plan.kv_end)
+        meta.ctx_cu_seqlens, meta.single_pass_seq_lens, scale=scale,
+        kv_start=meta.single_pass_kv_start, kv_end=meta.single_pass_kv_end)
     return combine(comm, out, lse, meta, pcp_group, dcp_group, dcp_comm_backend)[0]
 
 
@@ -58,10 +57,10 @@ def gather_context_queries(comm: Communicator, query: torch.Tensor, meta: Attent
                            pcp_group: Group, dcp_group: Group) -> torch.Tensor:
     """query [rows, H, D] -> the context rows' queries [context rows, dcp H, D]: prefill rows
     of every PCP rank, restored, when the context rows are the step rows; heads over DCP."""
-    if meta.ctx_over_pcp and meta.pcp.num_local_rows:
+    if meta.ctx_over_pcp and meta.num_local_prefill_rows:
         nd = meta.num_decode_tokens
         gathered = comm.all_gather(query[nd:], pcp_group)
-        restore = meta.pcp.pcp_allgather_restore_idx.to(query.device)
+        restore = meta.pcp_allgather_restore_idx.to(query.device)
         query = torch.cat([query[:nd], gathered[restore]])
     return comm.all_gather(query, dcp_group, dim=1)
 
@@ -106,9 +105,9 @@ def combine_pcp_a2a(comm: Communicator, out: torch.Tensor, lse: torch.Tensor,
     when the context rows are the local rows."""
     if not meta.ctx_over_pcp:
         return out, lse
-    nd, pcp = meta.num_decode_tokens, meta.pcp.pcp_size
+    nd, pcp = meta.num_decode_tokens, meta.pcp_size
     packed = torch.cat([out, lse.to(out.dtype).unsqueeze(-1)], dim=-1)
-    prefill = packed[nd:][meta.pcp.pcp_allgather_scatter_idx.to(out.device)]
+    prefill = packed[nd:][meta.pcp_allgather_scatter_idx.to(out.device)]
     prefill = prefill.view(pcp, -1, *packed.shape[1:])
     send = torch.cat([packed[:nd].unsqueeze(0).expand(pcp, *packed[:nd].shape), prefill], dim=1)
     received = comm.all_to_all(send, pcp_group)

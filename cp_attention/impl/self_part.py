@@ -10,7 +10,6 @@ import torch.distributed as dist
 
 from cp_attention.comm import Communicator
 from cp_attention.metadata.builder import AttentionMetadata
-from cp_attention.metadata.pcp import PCPSplit
 from cp_attention.ops import AttentionOps
 
 Partial = tuple[torch.Tensor, torch.Tensor]  # (out [rows, Hq, D], lse [rows, Hq])
@@ -24,8 +23,8 @@ def self_attention(ops: AttentionOps, comm: Communicator, q: torch.Tensor, k: to
     rows over their own, prefill rows (PCP: head and tail chunks) over their prefill's
     (``causal``; encoder-only: every real token). Returns the partial and the step rows' K/V
     ``[step rows, Hkv, D]`` each (decode rows, then the prefill rows, restored under PCP)."""
-    nd, split = meta.num_decode_tokens, meta.pcp
-    gather = split is not None and split.num_local_rows > 0
+    nd = meta.num_decode_tokens
+    gather = meta.pcp_partition is not None and meta.num_local_prefill_rows > 0
     if gather:  # 1. the all-gather of the local prefill rows, in flight during 2
         local = torch.stack([k[nd:], v[nd:]], dim=1)  # [Lp, 2, Hkv, D]
         gathered, work = comm.all_gather_async(local, pcp_group)
@@ -33,20 +32,20 @@ def self_attention(ops: AttentionOps, comm: Communicator, q: torch.Tensor, k: to
         return _causal(ops, q, k, v, meta.decode_cu_seqlens, scale, window), (k, v)
     dec = _causal(ops, q[:nd], k[:nd], v[:nd], meta.decode_cu_seqlens, scale, window) if nd else None
     q_pre, k_pre, v_pre = q[nd:], k[nd:], v[nd:]
-    diagonals, rows = None, split.chunk_q_idx.to(q.device) if gather else None  # [m, sum c]
+    diagonals, rows = None, meta.chunk_q_idx.to(q.device) if gather else None  # [m, sum c]
     if gather and causal and window is None:  # the chunks' diagonals while the gather flies
-        cu_q = split.chunk_cu_seqlens
+        cu_q = meta.chunk_cu_seqlens
         diagonals = [ops.varlen_attention(q_pre[r], k_pre[r], v_pre[r], cu_q, cu_q, scale=scale,
                                           causal=True) for r in rows]
     step_k, step_v = k, v
     if gather:  # restore the gathered rows in request order
         if work is not None:
             work.wait()
-        kv = gathered[split.pcp_allgather_restore_idx.to(k.device)]
+        kv = gathered[meta.pcp_allgather_restore_idx.to(k.device)]
         step_k, step_v = ((torch.cat([k[:nd], kv[:, 0]]), torch.cat([v[:nd], kv[:, 1]]))
                           if nd else (kv[:, 0], kv[:, 1]))  # prefill-only: no copy
     if gather and causal:
-        pre = pcp_prefill_attention(ops, q_pre, step_k[nd:], step_v[nd:], split, rows,
+        pre = pcp_prefill_attention(ops, q_pre, step_k[nd:], step_v[nd:], meta, rows,
                                     diagonals, scale, window)
     elif causal:
         pre = _causal(ops, q_pre, k_pre, v_pre, meta.prefill_cu_seqlens, scale, window)
@@ -65,18 +64,18 @@ def _causal(ops: AttentionOps, q, k, v, cu_seqlens, scale: float, window: int | 
 
 
 def pcp_prefill_attention(ops: AttentionOps, q_pre: torch.Tensor, k_pre: torch.Tensor,
-                          v_pre: torch.Tensor, split: PCPSplit, rows: torch.Tensor,
+                          v_pre: torch.Tensor, meta: AttentionMetadata, rows: torch.Tensor,
                           diagonals: list | None, scale: float, window: int | None) -> Partial:
     """Local prefill rows q_pre [Lp, Hq, D] over each prefill's tokens up to their own;
-    k_pre, v_pre: the restored prefill rows; rows: ``split.chunk_q_idx`` on the device;
+    k_pre, v_pre: the restored prefill rows; rows: ``meta.chunk_q_idx`` on the device;
     ``diagonals``: each chunk's causal part on local rows (None with a sliding window).
     Returns out [Lp, Hq, D], lse [Lp, Hq] in local order."""
-    cu_q = split.chunk_cu_seqlens
-    restored_cu = cu_q * split.partition.num_chunks  # each prefill's restored (padded) rows
+    cu_q = meta.chunk_cu_seqlens
+    restored_cu = cu_q * meta.pcp_partition.num_chunks  # each prefill's restored (padded) rows
     outs, lses = zip(*(chunk_attention(ops, q_pre[r], k_pre, v_pre, cu_q, restored_cu, before,
                                        None if diagonals is None else diagonals[j], scale, window)
-                       for j, (r, before) in enumerate(zip(rows, split.chunk_keys_before))))
-    local_order = split.q_full_idx.to(q_pre.device)  # [chunk rows...] -> local rows
+                       for j, (r, before) in enumerate(zip(rows, meta.chunk_keys_before))))
+    local_order = meta.q_full_idx.to(q_pre.device)  # [chunk rows...] -> local rows
     return torch.cat(outs)[local_order], torch.cat(lses)[local_order]
 
 

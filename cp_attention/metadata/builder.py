@@ -25,7 +25,7 @@ from cp_attention.config import CPConfig, CPRanks
 from cp_attention.metadata.checks import validate_ranks, validate_step
 from cp_attention.metadata.common import StepSpec, cumsum0, decode_mask, ranges_concat
 from cp_attention.metadata.kv_layout import KVSharding
-from cp_attention.metadata.pcp import HeadTail, PCPSplit, PrefillPartition
+from cp_attention.metadata.pcp import HeadTail, PrefillPartition
 
 
 @dataclass
@@ -47,7 +47,6 @@ class AttentionMetadata:
     pad_rows: torch.Tensor | None  # [num_actual_tokens] bool, True on PCP pads; None: no pads
     decode_cu_seqlens: torch.Tensor  # [Nd + 1] over the decode rows
     prefill_cu_seqlens: torch.Tensor  # [Np + 1] over the local prefill rows
-    pcp: PCPSplit | None  # the prefill partition's split when pcp_size > 1
     prefill_real_cu_seqlens: torch.Tensor  # [Np + 1] over prefill_real_kv_idx
     step_slot_mapping: torch.Tensor  # [step rows] cache slot on this rank, -1 = not stored here
     has_context: bool  # some request has cached context (same on every rank)
@@ -58,14 +57,49 @@ class AttentionMetadata:
     ctx_kv_start: torch.Tensor | None  # [context rows] local visible range (sliding window)
     ctx_kv_end: torch.Tensor | None
     sliding_window: int | None
-    single_pass: SinglePass | None  # decode-only step (queries never gathered); else None
+    # PCP (pcp_size > 1): the split of the P prefills for this rank (m local chunks of c rows
+    # each per prefill), made by ``pcp_partition.plan``; None without PCP
+    pcp_partition: PrefillPartition | None = None  # the strategy (HeadTail)
+    pcp_rank: int = 0
+    chunk_cu_seqlens: torch.Tensor | None = None  # [P + 1] C: rows of one chunk (= diagonal)
+    chunk_q_idx: torch.Tensor | None = None  # [m, sum c] local prefill rows of each chunk
+    chunk_keys_before: torch.Tensor | None = None  # [m, P] restored keys before each chunk
+    q_full_idx: torch.Tensor | None = None  # [m sum c] row of cat(chunk rows) of each row
+    pcp_allgather_restore_idx: torch.Tensor | None = None  # [pcp m sum c] gathered -> restored
+    pcp_allgather_scatter_idx: torch.Tensor | None = None  # inverse: restored -> gathered
+    # decode-only step (no prefill row, so no query is gathered over PCP): the layer writes
+    # the step's K/V first, then each row attends this rank's shard alone in one paged call
+    # (no self part, no merge; shards' partials combined as context ones). Block table and
+    # query offsets are the ctx_ ones; lengths count this rank's shard after the write.
+    single_pass: bool = False
+    single_pass_seq_lens: torch.Tensor | None = None  # [R] tokens on this shard after write
+    single_pass_kv_start: torch.Tensor | None = None  # [rows] first visible key (window)
+    single_pass_kv_end: torch.Tensor | None = None  # [rows] local causal end (spec tokens)
+
+    @property
+    def pcp_size(self) -> int:
+        return 1 if self.pcp_partition is None else self.pcp_partition.pcp_size
+
+    @property
+    def chunk_lens(self) -> np.ndarray:
+        """[P] chunk size c of each prefill (PCP)."""
+        return np.diff(self.chunk_cu_seqlens.numpy())
+
+    @property
+    def padded_lens(self) -> np.ndarray:
+        """[P] restored (padded) rows of each prefill (PCP)."""
+        return self.pcp_partition.num_chunks * self.chunk_lens
+
+    @property
+    def num_local_prefill_rows(self) -> int:
+        return self.num_actual_tokens - self.num_decode_tokens
 
     @cached_property
     def prefill_real_kv_idx(self) -> torch.Tensor:
         """[prefill tokens] step rows of the prefills' real tokens (encoder-only attention,
         which alone reads it: made on first use, once per step)."""
         new_lens = np.diff(self.prefill_real_cu_seqlens.numpy())
-        rows = new_lens if self.pcp is None else self.pcp.padded_lens
+        rows = new_lens if self.pcp_partition is None else self.padded_lens
         first_row = self.num_decode_tokens + cumsum0(rows)[:-1]
         return torch.from_numpy(ranges_concat(first_row, new_lens))
 
@@ -76,20 +110,6 @@ class AttentionMetadata:
     @property
     def num_decodes(self) -> int:
         return len(self.decode_reqs)
-
-
-@dataclass(frozen=True)
-class SinglePass:
-    """A decode-only step (no prefill row, so no query is gathered over PCP): the layer writes
-    the step's K/V first, then every row attends this rank's cache shard alone in one paged call
-    (no self part, no merge; under DCP, or with the cache sharded over PCP ranks, the shards'
-    partials are combined as context partials are).
-    Block table and query offsets are the context ones (``ctx_block_table``,
-    ``ctx_cu_seqlens``); the lengths count this rank's shard."""
-
-    seq_lens: torch.Tensor  # [R] tokens of each request on this shard after the step's write
-    kv_start: torch.Tensor | None  # [rows] first visible local key (sliding window), else None
-    kv_end: torch.Tensor | None  # [rows] local causal end (speculative tokens), else None
 
 
 _t = torch.from_numpy  # an int64 (or bool) array as a CPU tensor sharing its memory
@@ -133,10 +153,11 @@ def whole_requests(reqs: np.ndarray, new_lens: np.ndarray, rows: np.ndarray) -> 
     return RowLayout(reqs, np.zeros(len(reqs), dtype=np.int64), rows, new_lens)
 
 
-def pcp_local_rows(prefills: np.ndarray, new_lens: np.ndarray, split: PCPSplit) -> RowLayout:
-    """Each prefill's chunks of this rank in local order (m segments of c rows per prefill)."""
-    start, length = split.partition.local_segments(split.chunk_lens, split.pcp_rank)
-    m = split.partition.chunks_per_rank
+def pcp_local_rows(prefills: np.ndarray, new_lens: np.ndarray, partition: PrefillPartition,
+                   chunk_lens: np.ndarray, rank: int) -> RowLayout:
+    """Each prefill's chunks of ``rank`` in local order (m segments of c rows per prefill)."""
+    start, length = partition.local_segments(chunk_lens, rank)
+    m = partition.chunks_per_rank
     real = np.minimum(np.maximum(new_lens.repeat(m) - start, 0), length)
     return RowLayout(prefills.repeat(m), start, length, real)
 
@@ -147,7 +168,7 @@ class PrefillPlan:
     """Where the prefills' rows are on this rank."""
 
     reqs: np.ndarray  # [Np] batch index of each prefill
-    split: PCPSplit | None
+    pcp_fields: dict[str, torch.Tensor]  # the PCP split (``PrefillPartition.plan``); {} without
     local: RowLayout  # local prefill rows
     step: RowLayout  # step prefill rows (== local without PCP)
     local_rows_per_req: np.ndarray  # [Np]
@@ -159,11 +180,12 @@ def plan_prefills(prefills: np.ndarray, new_lens: np.ndarray,
     partition: how prefills are cut over PCP ranks (None: pcp_size == 1)."""
     if partition is None:
         rows = whole_requests(prefills, new_lens, new_lens)
-        return PrefillPlan(prefills, None, rows, rows, new_lens)
-    split = partition.plan(new_lens, pcp_rank)
-    return PrefillPlan(prefills, split, pcp_local_rows(prefills, new_lens, split),
-                       whole_requests(prefills, new_lens, split.padded_lens),
-                       partition.chunks_per_rank * split.chunk_lens)
+        return PrefillPlan(prefills, {}, rows, rows, new_lens)
+    c = partition.chunk_lens(new_lens)
+    return PrefillPlan(prefills, partition.plan(new_lens, pcp_rank),
+                       pcp_local_rows(prefills, new_lens, partition, c, pcp_rank),
+                       whole_requests(prefills, new_lens, partition.num_chunks * c),
+                       partition.chunks_per_rank * c)
 
 
 def token_rows(rows: RowLayout, step: StepSpec, num_input: int
@@ -206,12 +228,13 @@ class ContextPlan:
 
 def plan_context(step: StepSpec, config: CPConfig, sharding: KVSharding, kv_rank: int,
                  order: np.ndarray, local: tuple[RowLayout, np.ndarray],
-                 step_rows: tuple[RowLayout, np.ndarray], split: PCPSplit | None) -> ContextPlan:
+                 step_rows: tuple[RowLayout, np.ndarray], pcp: bool) -> ContextPlan:
     """Which rows query the cached context, and how much of it this rank holds.
 
     order: [R] batch index of each request in context order (decodes, then prefills);
-    local / step_rows: (layout, cu rows per request [R + 1]) of the local and step rows."""
-    over_pcp = split is not None and config.kv_shard == "cp"
+    local / step_rows: (layout, cu rows per request [R + 1]) of the local and step rows;
+    pcp: prefills are split over PCP ranks."""
+    over_pcp = pcp and config.kv_shard == "cp"
     rows, cu_rows = step_rows if over_pcp else local
     return ContextPlan(over_pcp, rows, order, cu_rows,
                        sharding.local_count(step.computed[order], kv_rank))
@@ -238,20 +261,20 @@ def window_ranges(rows: RowLayout, step: StepSpec, window: int, sharding: KVShar
 
 
 def single_pass(rows: RowLayout, step: StepSpec, window: int | None, sharding: KVSharding,
-                kv_rank: int) -> SinglePass:
-    """The :class:`SinglePass` of a decode-only step on KV shard ``kv_rank`` (``rows``: one
+                kv_rank: int) -> dict[str, torch.Tensor | bool | None]:
+    """The single-pass fields of a decode-only step on KV shard ``kv_rank`` (``rows``: one
     segment per request, batch order): a row at position p sees the keys
     [max(0, p - window + 1), p] of the written cache that this shard holds."""
     count = sharding.local_count
     context = step.computed[rows.req]
-    seq_lens = _t(count(context + rows.length, kv_rank))
+    plan = {"single_pass": True, "single_pass_seq_lens": _t(count(context + rows.length, kv_rank))}
     if window is None and (rows.length == 1).all():
-        return SinglePass(seq_lens, None, None)  # each row sees its whole request
+        return plan  # each row sees its whole request
     pos = rows.ranges(context)
-    end = _t(count(pos + 1, kv_rank))
-    if window is None:
-        return SinglePass(seq_lens, None, end)
-    return SinglePass(seq_lens, _t(count(np.maximum(pos - window + 1, 0), kv_rank)), end)
+    plan["single_pass_kv_end"] = _t(count(pos + 1, kv_rank))
+    if window is not None:
+        plan["single_pass_kv_start"] = _t(count(np.maximum(pos - window + 1, 0), kv_rank))
+    return plan
 
 
 class MetadataBuilder:
@@ -303,7 +326,7 @@ class MetadataBuilder:
         local_rows = dec_rows + pre.local
         # [R + 1] rows before each request (decodes, then prefills), local and step rows
         cu_local = cumsum0(np.concatenate([dec_lens, pre.local_rows_per_req]))
-        if pre.split is None:  # step rows are the local rows
+        if self.partition is None:  # step rows are the local rows
             step_rows, cu_step = local_rows, cu_local
         else:
             step_rows = dec_rows + pre.step
@@ -318,7 +341,7 @@ class MetadataBuilder:
         slots = step_slot_mapping(step_rows, cu_step, step, table, self.sharding, self.kv_rank)
         order = np.concatenate([decodes, prefills])
         ctx = plan_context(step, cfg, self.sharding, self.kv_rank, order,
-                           (local_rows, cu_local), (step_rows, cu_step), pre.split)
+                           (local_rows, cu_local), (step_rows, cu_step), self.partition is not None)
         kv_start = kv_end = None
         if self.sliding_window is not None:
             kv_start, kv_end = map(_t, window_ranges(ctx.rows, step, self.sliding_window,
@@ -328,7 +351,7 @@ class MetadataBuilder:
         # decode-only: no prefill rows, so no query is gathered over PCP even when the cache is
         # sharded over PCP ranks (every rank then attends its shard; partials merged over PCP)
         one_pass = (single_pass(dec_rows, step, self.sliding_window, self.sharding, self.kv_rank)
-                    if num_dec == step.num_reqs else None)
+                    if num_dec == step.num_reqs else {})
 
         return AttentionMetadata(
             decode_reqs=decodes,
@@ -341,7 +364,6 @@ class MetadataBuilder:
             pad_rows=None if pads is None else _t(pads),
             decode_cu_seqlens=_t(cu_local[:num_dec + 1]),
             prefill_cu_seqlens=_t(cu_local[num_dec:] - num_dec_rows),
-            pcp=pre.split,
             prefill_real_cu_seqlens=_t(cumsum0(new_lens)),
             step_slot_mapping=_t(slots),
             has_context=has_context,
@@ -353,7 +375,10 @@ class MetadataBuilder:
             ctx_kv_start=kv_start,
             ctx_kv_end=kv_end,
             sliding_window=self.sliding_window,
-            single_pass=one_pass,
+            pcp_partition=self.partition,
+            pcp_rank=self.ranks.pcp_rank,
+            **pre.pcp_fields,
+            **one_pass,
         )
 
     def _check_block_table(self, seq_lens: np.ndarray, block_table: np.ndarray) -> None:

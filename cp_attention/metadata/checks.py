@@ -179,26 +179,25 @@ def _check_rank_ranges(meta, cfg: CPConfig, computed: np.ndarray, p: int,
                        d: int, fail) -> None:
     """Per-rank lengths, cu_seqlens and index ranges of one rank's ``AttentionMetadata``."""
     where = f"rank ({p},{d})"
-    split = meta.pcp
-    if split is not None:
-        rows = split.num_local_rows
+    if meta.pcp_partition is not None:
+        rows = len(meta.q_full_idx)
         total = cfg.pcp_size * rows
-        restore = split.pcp_allgather_restore_idx.numpy()
-        scatter = split.pcp_allgather_scatter_idx.numpy()
+        restore = meta.pcp_allgather_restore_idx.numpy()
+        scatter = meta.pcp_allgather_scatter_idx.numpy()
         if not np.array_equal(np.sort(restore), np.arange(total)):
             fail(f"{where}: pcp_allgather_restore_idx is not a permutation of {total} rows")
         if not np.array_equal(restore[scatter], np.arange(total)):
             fail(f"{where}: pcp_allgather_scatter_idx is not the inverse of the restore index")
-        restored_req, restored_pos = split.partition.restored_rows(split.chunk_lens)
+        restored_req, restored_pos = meta.pcp_partition.restored_rows(meta.chunk_lens)
         if (np.diff(restored_req * (1 << 32) + restored_pos) <= 0).any():
             fail(f"{where}: restored rows are not in request order")
-        q_all = split.chunk_q_idx.numpy().reshape(-1)
+        q_all = meta.chunk_q_idx.numpy().reshape(-1)
         if not np.array_equal(np.sort(q_all), np.arange(rows)):
             fail(f"{where}: chunk_q_idx does not cover the {rows} local rows once")
-        if not np.array_equal(q_all[split.q_full_idx.numpy()], np.arange(rows)):
+        if not np.array_equal(q_all[meta.q_full_idx.numpy()], np.arange(rows)):
             fail(f"{where}: q_full_idx does not restore the local order")
-        before = split.chunk_keys_before.numpy()  # the chunk's own c keys follow
-        if (before < 0).any() or (before + split.chunk_lens > split.padded_lens).any():
+        before = meta.chunk_keys_before.numpy()  # the chunk's own c keys follow
+        if (before < 0).any() or (before + meta.chunk_lens > meta.padded_lens).any():
             fail(f"{where}: chunk_keys_before + c exceeds a prefill's restored rows")
         if meta.num_actual_tokens != meta.num_decode_tokens + rows:
             fail(f"{where}: num_actual_tokens {meta.num_actual_tokens} != decodes "

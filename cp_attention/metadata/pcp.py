@@ -16,7 +16,6 @@ prefills), prefill ``i`` starts at local row ``m C[i]`` and at restored row
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 import numpy as np
 import torch
 
@@ -24,38 +23,6 @@ from cp_attention.metadata.common import cumsum0, equal_ranges, ranges_concat
 
 
 _tensor = torch.from_numpy  # an int64 array as a tensor sharing its memory
-
-
-@dataclass(frozen=True)
-class PCPSplit:
-    """The split of one step's ``P`` prefills for one PCP rank, as the forward reads it.
-
-    vLLM-Ascend's names of the same plan (``q_head_idx``, ``kv_with_q_tail_mask_idx``, ...)
-    are in :mod:`cp_attention.metadata.vllm_ascend`.
-    """
-
-    partition: PrefillPartition
-    pcp_rank: int
-    chunk_lens: np.ndarray  # [P] c per prefill (host bookkeeping)
-    chunk_cu_seqlens: torch.Tensor  # [P + 1] C: query rows of one chunk (= its diagonal keys)
-    chunk_q_idx: torch.Tensor  # [m, sum c] local prefill rows of each local chunk (m chunks)
-    chunk_keys_before: torch.Tensor  # [m, P] k c: restored keys of each prefill before chunk k
-    q_full_idx: torch.Tensor  # [m sum c] row of cat(chunk q rows) of each local row
-    pcp_allgather_restore_idx: torch.Tensor  # [pcp m sum c]: restored = gathered[idx]
-    pcp_allgather_scatter_idx: torch.Tensor  # inverse of restore: gathered = restored[idx]
-
-    @property
-    def pcp_size(self) -> int:
-        return self.partition.pcp_size
-
-    @property
-    def num_local_rows(self) -> int:
-        return len(self.q_full_idx)
-
-    @property
-    def padded_lens(self) -> np.ndarray:
-        """[P] restored (padded) rows of each prefill."""
-        return self.partition.num_chunks * self.chunk_lens
 
 
 class PrefillPartition(ABC):
@@ -115,8 +82,12 @@ class PrefillPartition(ABC):
         starts += (m * cu[:-1])[:, None]
         return starts
 
-    def plan(self, new_lens: np.ndarray, rank: int) -> PCPSplit:
-        """The :class:`PCPSplit` of prefills with ``new_lens`` ([P]) new tokens for ``rank``."""
+    def plan(self, new_lens: np.ndarray, rank: int) -> dict[str, torch.Tensor]:
+        """The split of prefills with ``new_lens`` ([P]) new tokens for ``rank``: the PCP
+        fields of :class:`~cp_attention.metadata.builder.AttentionMetadata`, by name
+        (``chunk_cu_seqlens`` [P + 1] C, ``chunk_q_idx`` [m, sum c], ``chunk_keys_before``
+        [m, P], ``q_full_idx`` [m sum c], ``pcp_allgather_restore_idx`` [pcp m sum c] and its
+        inverse ``pcp_allgather_scatter_idx``; int64 tensors)."""
         if not 0 <= rank < self.pcp_size:
             raise ValueError(f"pcp_rank ({rank}) must be in [0, pcp_size={self.pcp_size})")
         c = self.chunk_lens(new_lens)
@@ -129,11 +100,12 @@ class PrefillPartition(ABC):
         # local row (i, s, j) is row s T + C[i] + j of cat(chunk rows), T = sum c
         q_full = chunk_ranges(np.add.outer(first, np.arange(m) * int(cu[-1])), c[:, None], equal)
         runs = self.restore_runs(c, cu)
-        return PCPSplit(self, rank, c, _tensor(cu), _tensor(q_idx),
-                        _tensor(np.multiply.outer(self.chunks_of(rank), c)), _tensor(q_full),
-                        _tensor(chunk_ranges(runs, c[:, None], equal)),
-                        _tensor(inverse_of_runs(runs.reshape(-1), c.repeat(self.num_chunks),
-                                                equal)))
+        return {"chunk_cu_seqlens": _tensor(cu), "chunk_q_idx": _tensor(q_idx),
+                "chunk_keys_before": _tensor(np.multiply.outer(self.chunks_of(rank), c)),
+                "q_full_idx": _tensor(q_full),
+                "pcp_allgather_restore_idx": _tensor(chunk_ranges(runs, c[:, None], equal)),
+                "pcp_allgather_scatter_idx": _tensor(inverse_of_runs(
+                    runs.reshape(-1), c.repeat(self.num_chunks), equal))}
 
 
 class HeadTail(PrefillPartition):

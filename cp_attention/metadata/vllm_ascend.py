@@ -1,6 +1,6 @@
 """vLLM-Ascend's metadata names as a view of one rank's plan, computed on demand.
 
-The forward reads :class:`AttentionMetadata` and its :class:`PCPSplit`; code written against
+The forward reads :class:`AttentionMetadata` (flat); code written against
 vLLM-Ascend's ``AscendMetadata`` / ``AscendPCPMetadata`` reads the same plan under the names
 below (no kernel here reads them). ``[2, P]`` seqlens are (query lens, key lens) per prefill;
 K/V indices point into the restored prefill rows; head and tail are a :class:`HeadTail`
@@ -20,14 +20,13 @@ from cp_attention.metadata.kv_layout import KVSharding
 
 class VllmAscendView:
     """vLLM-Ascend's names of ``meta``. ``step`` and ``config`` (what it was built from) are
-    read only by ``num_computed_tokens_of_pcp_dcp``; the PCP names need ``meta.pcp``."""
+    read only by ``num_computed_tokens_of_pcp_dcp``; the PCP names need ``meta.pcp_partition``."""
 
     def __init__(self, meta: AttentionMetadata, step: StepSpec | None = None,
                  config: CPConfig | None = None) -> None:
         self.meta, self.step, self.config = meta, step, config
-        self.split = meta.pcp
-        if self.split is not None:  # HeadTail: (head chunk, tail chunk) numbers of this rank
-            self.chunks = self.split.partition.chunks_of(self.split.pcp_rank)
+        if meta.pcp_partition is not None:  # HeadTail: (head chunk, tail chunk) of this rank
+            self.chunks = meta.pcp_partition.chunks_of(meta.pcp_rank)
 
     @property
     def attn_state(self) -> AttentionState:
@@ -50,15 +49,15 @@ class VllmAscendView:
 
     @property
     def q_head_idx(self) -> torch.Tensor:  # [sum c] local prefill rows of head chunks
-        return self.split.chunk_q_idx[0]
+        return self.meta.chunk_q_idx[0]
 
     @property
     def q_tail_idx(self) -> torch.Tensor:  # [sum c] local prefill rows of tail chunks
-        return self.split.chunk_q_idx[1]
+        return self.meta.chunk_q_idx[1]
 
     @property
     def q_full_idx(self) -> torch.Tensor:  # [2 sum c] argsort(cat(q_head_idx, q_tail_idx))
-        return self.split.q_full_idx
+        return self.meta.q_full_idx
 
     @property
     def kv_with_q_head_nomask_idx(self) -> torch.Tensor:  # [head sum c] rows before the chunk
@@ -78,19 +77,19 @@ class VllmAscendView:
 
     @property
     def attn_mask_seqlens(self) -> torch.Tensor:  # [2, P] of the causal diagonals
-        return torch.from_numpy(np.stack([self.split.chunk_lens] * 2))
+        return torch.from_numpy(np.stack([self.meta.chunk_lens] * 2))
 
     @property
     def head_attn_nomask_seqlens(self) -> torch.Tensor:  # [2, P] of the head's unmasked part
-        return torch.stack([self.split.chunk_cu_seqlens.diff(), self.split.chunk_keys_before[0]])
+        return torch.stack([self.meta.chunk_cu_seqlens.diff(), self.meta.chunk_keys_before[0]])
 
     @property
     def tail_attn_nomask_seqlens(self) -> torch.Tensor:  # [2, P] of the tail's unmasked part
-        return torch.stack([self.split.chunk_cu_seqlens.diff(), self.split.chunk_keys_before[1]])
+        return torch.stack([self.meta.chunk_cu_seqlens.diff(), self.meta.chunk_keys_before[1]])
 
     @property
     def pcp_allgather_restore_idx(self) -> torch.Tensor:  # [pcp 2 sum c] gathered -> restored
-        return self.split.pcp_allgather_restore_idx
+        return self.meta.pcp_allgather_restore_idx
 
     @property
     def pcp_prefill_mask(self) -> torch.Tensor:
@@ -100,6 +99,6 @@ class VllmAscendView:
 
     def _restored_rows(self, first_chunk: int, num_chunks: int) -> torch.Tensor:
         """[num_chunks sum c] restored rows of chunks ``first_chunk ..`` of every prefill."""
-        c = self.split.chunk_lens
-        return torch.from_numpy(ranges_concat(cumsum0(self.split.padded_lens)[:-1]
+        c = self.meta.chunk_lens
+        return torch.from_numpy(ranges_concat(cumsum0(self.meta.padded_lens)[:-1]
                                               + first_chunk * c, num_chunks * c))

@@ -501,8 +501,8 @@ def test_pcp_metadata_from_vllm_shaped_batch():
         assert rows[:meta.num_decode_tokens].tolist() == [0, 59]  # decodes on every rank, first
         np.add.at(seen, rows[meta.num_decode_tokens:][rows[meta.num_decode_tokens:] >= 0], 1)
         # step rows: decodes, then each prefill's padded tokens in order (pads: -1)
-        split, step_tokens = meta.pcp, [0, 59]
-        for req, chunk in zip(meta.prefill_reqs, split.chunk_lens):
+        step_tokens = [0, 59]
+        for req, chunk in zip(meta.prefill_reqs, meta.chunk_lens):
             padded = np.arange(2 * config.pcp_size * chunk)
             step_tokens += np.where(padded < new[req], cu[req] + padded, -1).tolist()
         step_tokens = np.asarray(step_tokens)

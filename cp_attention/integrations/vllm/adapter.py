@@ -164,10 +164,10 @@ def step_row_tokens(meta: AttentionMetadata, step: StepSpec) -> torch.Tensor:
     Without PCP step rows are the local rows. Under PCP they are the decode rows, then each
     prefill's padded tokens in order (the restored all-gather of every rank's chunks).
     """
-    split, nd = meta.pcp, meta.num_decode_tokens
-    if split is None:
+    nd = meta.num_decode_tokens
+    if meta.pcp_partition is None:
         return meta.local_token_idx[:meta.num_actual_tokens]
-    req, pos = split.partition.restored_rows(split.chunk_lens)
+    req, pos = meta.pcp_partition.restored_rows(meta.chunk_lens)
     req = meta.prefill_reqs[req]
     new = step.scheduled[req]
     tokens = np.where(pos < new, step.cu_new_tokens[req] + pos, -1)

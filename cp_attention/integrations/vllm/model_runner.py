@@ -119,7 +119,7 @@ class PCPCPUModelRunner(CPUModelRunner):
         stats.steps += 1
         stats.bytes_sent += self.pcp_comm.total_bytes - before
         stats.bytes_all_rows += (world - 1) * hidden.shape[0] * hidden.shape[1] * hidden.element_size()
-        if meta.inner.pcp is not None and meta.inner.pcp.num_local_rows:
+        if meta.inner.pcp_partition is not None and meta.inner.num_local_prefill_rows:
             log.info("cp_attention hidden restore: step %d, %d wanted rows of %d tokens, "
                      "%d bytes sent (all %d local rows: %d); totals %d vs %d bytes over %d steps",
                      stats.steps, wanted.numel(), meta.num_vllm_tokens,
