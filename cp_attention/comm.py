@@ -7,6 +7,7 @@ catching the collective's error (a failed collective, e.g. a dead peer's timeout
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -16,6 +17,10 @@ _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 # Backends with a tensor reduce-scatter (gloo's exists in torch 2.13); others: all-reduce + slice.
 REDUCE_SCATTER_BACKENDS = frozenset({"gloo", "nccl", "hccl"})
+# A same-host all-gather (input, output): output [world n, ...] rank-major, e.g. vLLM CPU's
+# shared-memory one; it must be blocking and run by every rank of its group in the same order.
+AllGatherInto = Callable[[torch.Tensor, torch.Tensor], None]
+SHM_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
@@ -34,11 +39,15 @@ class Communicator:
     reduce-scatter and all-to-all (w-1)/w x input, all-reduce 2 (w-1)/w x input.
     reduce_scatter_backends: backends whose tensor reduce-scatter is used; on the others
     ``reduce_scatter`` is an all-reduce and a slice.
+    shm_all_gather: groups whose blocking :meth:`all_gather` of floating tensors runs a
+    same-host :data:`AllGatherInto` instead of the group's backend (tens of microseconds
+    instead of gloo's hundreds for the small per-layer exchanges of decode steps).
     """
 
     bytes_sent: dict[str, int] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=dict)
     reduce_scatter_backends: frozenset[str] = REDUCE_SCATTER_BACKENDS
+    shm_all_gather: dict[dist.ProcessGroup, AllGatherInto] = field(default_factory=dict)
 
     def _count(self, name: str, nbytes: int) -> None:
         self.bytes_sent[name] = self.bytes_sent.get(name, 0) + nbytes
@@ -55,10 +64,18 @@ class Communicator:
     def all_gather(self, tensor: torch.Tensor, group: dist.ProcessGroup | None,
                    dim: int = 0) -> torch.Tensor:
         """Concatenate equal-shaped tensors of all ranks along ``dim`` (rank-major)."""
-        out, work = self.all_gather_async(tensor, group)
-        if work is None:
-            return out
-        work.wait()
+        shm = self.shm_all_gather.get(group) if group is not None else None
+        if shm is not None and tensor.dtype in SHM_DTYPES:
+            world, tensor = group_size(group), tensor.contiguous()
+            out = torch.empty((world * tensor.shape[0],) + tensor.shape[1:], dtype=tensor.dtype,
+                              device=tensor.device)
+            self._count("all_gather", tensor.numel() * tensor.element_size() * (world - 1))
+            shm(tensor, out)
+        else:
+            out, work = self.all_gather_async(tensor, group)
+            if work is None:
+                return out
+            work.wait()
         if dim != 0:
             out = torch.cat(out.chunk(group_size(group), dim=0), dim=dim)
         return out

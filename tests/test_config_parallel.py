@@ -112,3 +112,19 @@ def test_reduce_scatter_failure_propagates(monkeypatch):
     monkeypatch.setattr(comm, "group_rank", lambda group: 1)
     out = comm.Communicator().reduce_scatter(torch.arange(8.0).view(4, 2), object())
     assert started == ["reduce_scatter", "all_reduce"] and out.tolist() == [[4.0, 5.0], [6.0, 7.0]]
+
+
+@pytest.mark.distributed
+def test_same_host_all_gather_takes_floating_all_gathers(pools):
+    """Communicator.shm_all_gather: blocking all-gathers of floating tensors over the group run
+    the given same-host all-gather (the vLLM integration's shared memory one), rank-major and
+    along any dim; integer tensors and other groups keep the backend."""
+    results = pools(4).run("cp_attention.testing.comm_tasks.shm_dispatch_task",
+                           CPConfig(pcp_size=2, tp_size=2))
+    for rank, seen in enumerate(results):
+        members = [rank % 2, 2 + rank % 2]  # the PCP group of this rank
+        rows = [[float(i * 3 + j + 10 * m) for j in range(3)] for m in members for i in range(2)]
+        assert seen["f32"] == rows and seen["ints"] == rows
+        assert seen["bf16"] == [rows[i] + rows[2 + i] for i in range(2)]  # dim=1
+        assert seen["used"] == ["torch.float32", "torch.bfloat16"]
+        assert seen["bytes"] == {"all_gather": 24 + 12 + 48}  # (w-1) x input, each call

@@ -25,9 +25,11 @@ class BaseAttentionImpl:
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
                  sliding_window: int | None = None, attn_type: str = "decoder",
                  kv_cache_dtype: str = "auto", ops: AttentionOps | None = None,
-                 groups=None, debug: bool | None = None) -> None:
+                 groups=None, debug: bool | None = None, comm: Communicator | None = None
+                 ) -> None:
         """groups: a :class:`~cp_attention.parallel.CPGroups` (CP impls) or None; debug: also
-        run the O(n) value checks of every call (None: ``CP_ATTENTION_DEBUG``)."""
+        run the O(n) value checks of every call (None: ``CP_ATTENTION_DEBUG``); comm: runs the
+        collectives (None: a plain :class:`Communicator`, the groups' own backends)."""
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if attn_type not in ATTN_TYPES:
             raise ValueError(f"attn_type must be one of {ATTN_TYPES}, got {attn_type!r}")
@@ -52,7 +54,7 @@ class BaseAttentionImpl:
         self.groups = groups
         self.debug = debug_checks_from_env() if debug is None else debug
         self.ops = ops if ops is not None else get_ops(groups.device if groups is not None else "cpu")
-        self.comm = Communicator()
+        self.comm = comm if comm is not None else Communicator()
         self.pcp_group = groups.pcp_group if groups is not None else None  # None: one rank,
         self.dcp_group = groups.dcp_group if groups is not None else None  # steps are no-ops
 

@@ -101,12 +101,17 @@ def combine_pcp_a2a(comm: Communicator, out: torch.Tensor, lse: torch.Tensor,
     """Partials of the context rows (step rows: decodes, then every rank's restored prefill
     rows) over this rank's shard -> ([rows, H, D], [rows, H]) of the local rows over every
     PCP shard: each rank is sent its rows of packed ``[out | lse]`` (decode rows to all, the
-    prefill rows scattered back to their rank), then a merge of the pcp partials. Identity
-    when the context rows are the local rows."""
+    prefill rows scattered back to their rank), then a merge of the pcp partials; with no
+    prefill row every rank is sent the same rows, so an all-gather does (the same bytes, and
+    the collective :class:`Communicator` may run in shared memory). Identity when the context
+    rows are the local rows."""
     if not meta.ctx_over_pcp:
         return out, lse
     nd, pcp = meta.num_decode_tokens, meta.pcp_size
     packed = torch.cat([out, lse.to(out.dtype).unsqueeze(-1)], dim=-1)
+    if not meta.num_local_prefill_rows:  # the same on every rank (equal chunks)
+        received = comm.all_gather(packed, pcp_group).view(pcp, *packed.shape)
+        return merge_many(received[..., :-1], received[..., -1])
     prefill = packed[nd:][meta.pcp_allgather_scatter_idx.to(out.device)]
     prefill = prefill.view(pcp, -1, *packed.shape[1:])
     send = torch.cat([packed[:nd].unsqueeze(0).expand(pcp, *packed[:nd].shape), prefill], dim=1)

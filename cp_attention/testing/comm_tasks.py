@@ -37,3 +37,21 @@ def collectives_task(rank: int, get_groups, config: CPConfig) -> dict:
                           a2a=a2a[:, 0].tolist())
     seen["bytes"] = dict(comm.bytes_sent)
     return seen
+
+
+def shm_dispatch_task(rank: int, get_groups, config: CPConfig) -> dict:
+    """A Communicator with a same-host all-gather for the PCP group (here the list form of the
+    gloo all-gather, standing in for vLLM's shared memory one): which calls it takes."""
+    group = get_groups(config).pcp_group
+    used = []
+
+    def list_all_gather(tensor: torch.Tensor, out: torch.Tensor) -> None:
+        used.append(str(tensor.dtype))
+        dist.all_gather(list(out.chunk(group_size(group))), tensor, group=group)
+
+    comm = Communicator(shm_all_gather={group: list_all_gather})
+    x = torch.arange(6, dtype=torch.float32).view(2, 3) + 10 * rank
+    return dict(f32=comm.all_gather(x, group).tolist(),
+                bf16=comm.all_gather(x.bfloat16(), group, dim=1).float().tolist(),
+                ints=comm.all_gather(x.long(), group).tolist(), used=used,
+                bytes=dict(comm.bytes_sent))

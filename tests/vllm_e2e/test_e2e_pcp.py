@@ -119,6 +119,9 @@ def test_pcp_worker_and_backend_used(runs, name, impl, kv_shard):
     assert f"cp_attention impl active: {impl}" in log and f"kv_shard {kv_shard}" in log
     assert "pcp rank 1/2" in log
     assert "PCPTokenMismatch" not in log
+    # the PCP exchanges (decode partials, context queries) run in vLLM CPU's shared memory
+    assert re.search(r"cp_attention: PCP all-gather in shared memory \(\S+-cp_attention-pcp-"
+                     r"\[\d+-\d+\]-cpushm\)", log), log[-3000:]
 
 
 def test_reference_runs_are_vllm_cpu_attn(runs):

@@ -37,6 +37,7 @@ from cp_attention.integrations.vllm import LOGGER_NAME
 from cp_attention.integrations.vllm.adapter import (check_slot_mapping, cp_config_from_vllm,
                                                     expected_vllm_dcp_rank, row_order,
                                                     step_from_vllm)
+from cp_attention.integrations.vllm.shm import impl_communicator
 from cp_attention.metadata.builder import AttentionMetadata
 from cp_attention.metadata.common import StepSpec
 from cp_attention.parallel import CPGroups
@@ -235,7 +236,8 @@ class CPVllmImpl(AttentionImpl[CPVllmMetadata]):
         extra_kwargs = {}
         if self.config.uses_cp:
             extra_kwargs = {"groups": vllm_groups(self.config), "dcp_comm_backend":
-                            vllm_config.parallel_config.dcp_comm_backend or "ag_rs"}
+                            vllm_config.parallel_config.dcp_comm_backend or "ag_rs",
+                            "comm": impl_communicator(self.config)}
         self.inner = CPAttentionBackend.get_impl_cls(self.config)(
             num_heads, head_size, scale, self.num_kv_heads, sliding_window=sliding_window,
             attn_type="decoder", kv_cache_dtype=kv_cache_dtype, **extra_kwargs)

@@ -1,0 +1,57 @@
+"""The PCP group's all-gather in shared memory (vLLM CPU's ``shm_all_gather``), for the impls.
+
+With ``pcp = dcp`` every decode layer merges its KV shards' partials over the PCP group: a few
+KB per layer call, whose cost is the collective's latency. gloo takes 0.3-0.7 ms for it on one
+host (two processes, this project's dev machine); vLLM CPU's shared-memory all-gather, which
+vLLM itself uses only for its TP and PP groups, about 15 us. One manager per process and group,
+set up when the first layer is built (every rank builds its layers in the same order, so the
+setup's collectives match); ``CP_ATTENTION_VLLM_SHM=0`` keeps gloo.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+from vllm.distributed.parallel_state import GroupCoordinator, get_pcp_group
+
+from cp_attention.comm import AllGatherInto, Communicator
+from cp_attention.config import CPConfig
+from cp_attention.integrations.vllm import LOGGER_NAME
+
+log = logging.getLogger(LOGGER_NAME)
+ENV_SHM = "CP_ATTENTION_VLLM_SHM"  # "0": the PCP exchange stays on gloo
+_MANAGERS: dict[str, AllGatherInto] = {}  # shared-memory group name -> its all-gather
+
+
+def impl_communicator(config: CPConfig) -> Communicator:
+    """A :class:`Communicator` whose PCP all-gathers run in shared memory when this is vLLM's
+    CPU worker (its ``_C`` ops loaded, ``VLLM_DIST_IDENT`` set) and PCP has two or more ranks."""
+    comm = Communicator()
+    if config.pcp_size == 1 or os.environ.get(ENV_SHM, "1") == "0":
+        return comm
+    if not hasattr(torch.ops._C, "shm_all_gather") or "VLLM_DIST_IDENT" not in os.environ:
+        log.info("cp_attention: the PCP exchange runs on gloo (no vLLM CPU shared memory ops)")
+        return comm
+    group = get_pcp_group()
+    comm.shm_all_gather[group.cpu_group] = shm_all_gather(group)
+    return comm
+
+
+def shm_all_gather(group: GroupCoordinator) -> AllGatherInto:
+    """The shared-memory all-gather of ``group`` (made once per process; collective)."""
+    ranks = "-".join(map(str, group.ranks))
+    name = f"{os.environ['VLLM_DIST_IDENT']}-cp_attention-pcp-[{ranks}]-cpushm"
+    if name not in _MANAGERS:
+        threads = torch.tensor([torch.get_num_threads()], dtype=torch.int64)
+        dist.all_reduce(threads, op=dist.ReduceOp.MIN, group=group.cpu_group)
+        handle = torch.ops._C.init_shm_manager(name, group.world_size, group.rank_in_group,
+                                               int(threads))
+        dist.barrier(group.cpu_group)
+        torch.ops._C.join_shm_manager(handle, name)
+        dist.barrier(group.cpu_group)
+        _MANAGERS[name] = functools.partial(torch.ops._C.shm_all_gather, handle)
+        log.info("cp_attention: PCP all-gather in shared memory (%s)", name)
+    return _MANAGERS[name]
