@@ -129,7 +129,7 @@ class Engine:
         plugin, pcp, dcp = CONFIGS[name]
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("CP_ATTENTION_VLLM", "VLLM_"))}
-        env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "2",
+        env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
                     "VLLM_CPU_OMP_THREADS_BIND": _binding(pcp), "PYTHONUNBUFFERED": "1",
                     "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
                     .rstrip(os.pathsep)})
