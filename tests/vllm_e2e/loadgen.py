@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -39,15 +40,16 @@ class Outcome:
     finish_reason: str | None = None
 
 
-def make_load(num_valid: int, min_len: int, max_len: int, max_tokens: int, vocab: int,
-              cancel_every: int, invalid: list[dict], seed: int = 0) -> list[Request]:
+def make_load(num_valid: int, min_len: int, max_len: int, max_tokens: int,
+              prompt_of: Callable[[int, np.random.Generator], list[int]], cancel_every: int,
+              invalid: list[dict], seed: int = 0) -> list[Request]:
     """``num_valid`` prompts with log-uniform lengths in [min_len, max_len] (the extremes
-    included) and random token ids in [3, vocab); every ``cancel_every``-th is cancelled after
+    included), each ``prompt_of(length, rng)``; every ``cancel_every``-th is cancelled after
     two chunks; the ``invalid`` requests are spread through the load."""
     rng = np.random.default_rng(seed)
     lengths = np.exp(rng.uniform(np.log(min_len), np.log(max_len), num_valid)).astype(int)
     lengths[0], lengths[-1] = min_len, max_len
-    load = [Request(i, rng.integers(3, vocab, int(n)).tolist(), max_tokens,
+    load = [Request(i, prompt_of(int(n), rng), max_tokens,
                     cancel_after=2 if i % cancel_every == cancel_every - 1 else None)
             for i, n in enumerate(lengths)]
     step = max(1, len(load) // (len(invalid) + 1))

@@ -200,6 +200,34 @@ def chat_prompts(model_dir: Path) -> dict[str, list[int]]:
     return {name: chat_ids(tokenizer, text) for name, text in prompt_texts().items()}
 
 
+
+def log_prompt_maker(model_dir: Path, seed: int = 7):
+    """A ``prompt_of(length, rng)`` for ``loadgen.make_load``: prompts of exactly ``length``
+    tokens, a slice of a long ship's log at a random offset followed by a question in the chat
+    template; below the template's length (about 50 tokens) a bare slice of the log."""
+    tokenizer = chat_tokenizer(model_dir)
+    sentinel = "SENTINEL"
+    wrapped, inner = chat_ids(tokenizer, sentinel), _ids(tokenizer, sentinel)
+    at = next(i for i in range(len(wrapped)) if wrapped[i:i + len(inner)] == inner)
+    before, after = wrapped[:at], wrapped[at + len(inner):]
+    question = _ids(tokenizer, "\n\nWhich ports are named above? Answer in one line.")
+    log = _ids(tokenizer, ship_log(400, seed=seed))
+    fixed = len(before) + len(question) + len(after)
+
+    def prompt_of(length: int, rng) -> list[int]:
+        body = length - fixed if length >= fixed else length
+        start = int(rng.integers(0, len(log) - body))
+        if length < fixed:
+            return log[start:start + body]
+        return before + log[start:start + body] + question + after
+
+    return prompt_of
+
+
+def _ids(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
 if __name__ == "__main__":
     start = time.time()
     path = prepare()

@@ -1,9 +1,11 @@
 """Real traffic: vLLM's OpenAI server with cp_attention's PCP under a bounded concurrent load.
 
-A tiny GQA Llama (4 query / 2 KV heads, random weights, 8k positions, word-level tokenizer) is
-served with ``CP_ATTENTION_VLLM=1 --prefill-context-parallel-size 2`` (two workers, chunked
-prefill, prefix caching on, the per-step token check on). ``loadgen`` sends 64 greedy streaming
-completions with prompts of 20 to 4,000 tokens (log-uniform), 16 in flight; every 10th is
+The real checkpoint of ``real_model.py`` (SmolLM2-135M-Instruct, 9 query / 3 KV heads, fp32) is
+served with ``CP_ATTENTION_VLLM=1 --prefill-context-parallel-size 2
+--decode-context-parallel-size 2`` (two workers, the KV of every request sharded over both,
+chunked prefill, prefix caching on, the per-step token check on). ``loadgen`` sends 64 greedy
+streaming completions with prompts of 20 to 4,000 tokens (log-uniform; a slice of a ship's log
+and a question in the chat template, a bare slice below 50 tokens), 16 in flight; every 10th is
 cancelled after two chunks; three invalid requests (a prompt over the model length, a negative
 temperature, top_p > 1) are mixed in. Asserted: every valid request completes with all its
 tokens and equals the offline run of vLLM's own CPU_ATTN at pcp=1 (a difference only at a
@@ -17,6 +19,7 @@ temporary folder (docs/vllm.md quotes a run).
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -24,12 +27,12 @@ import pytest
 
 from harness import RunSpec, Runs, greedy_margins  # sibling modules
 from loadgen import make_load, metric, run_load, summarize
+from real_model import log_prompt_maker, prepare
 from server import Server, group_alive
-from tiny_model import make_tiny_llama, write_word_tokenizer
 
 pytestmark = pytest.mark.vllm
 
-SERVED_NAME = "tiny-llama-8k"
+SERVED_NAME = "smollm2-135m-instruct"
 MAX_MODEL_LEN = 4160
 NUM_VALID, MIN_LEN, MAX_LEN, MAX_TOKENS = 64, 20, 4000, 8
 CONCURRENCY, CANCEL_EVERY = 16, 10
@@ -43,7 +46,7 @@ SCHEDULE = ["--block-size", "32", "--max-num-seqs", "16", "--max-num-batched-tok
 COMMON = ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0",
           "--enforce-eager", "--load-format", "safetensors", "--enable-prefix-caching",
           "--distributed-executor-backend", "mp", *SCHEDULE]
-OURS = (["--prefill-context-parallel-size", "2"],
+OURS = (["--prefill-context-parallel-size", "2", "--decode-context-parallel-size", "2"],
         {"CP_ATTENTION_VLLM": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
          "CP_ATTENTION_VLLM_CHECK_TOKENS": "1", "VLLM_LOGGING_LEVEL": "INFO"})
 VLLM_OWN = ([], {})  # vLLM's own CPU_ATTN, one worker
@@ -53,7 +56,7 @@ DRAIN_TIMEOUT_S = 60
 
 def _serve_load(model: Path, root: Path, name: str, layout: tuple[list[str], dict]) -> dict:
     """Starts a server, sends the load, reads /metrics after it drains, stops the server."""
-    load = make_load(NUM_VALID, MIN_LEN, MAX_LEN, MAX_TOKENS, vocab=256,
+    load = make_load(NUM_VALID, MIN_LEN, MAX_LEN, MAX_TOKENS, log_prompt_maker(model),
                      cancel_every=CANCEL_EVERY, invalid=[dict(b) for b in INVALID])
     args, env = layout
     server = Server(model, root / f"{name}.log", SERVED_NAME, [*COMMON, *args], env)
@@ -81,8 +84,7 @@ def _serve_load(model: Path, root: Path, name: str, layout: tuple[list[str], dic
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm_load")
-    model = write_word_tokenizer(make_tiny_llama(root / "gqa", num_kv_heads=2,
-                                                 max_position_embeddings=8192))
+    model = prepare()
     ours = _serve_load(model, root, "cp_attention_pcp2", OURS)
     own = _serve_load(model, root, "vllm_cpu_attn_pcp1", VLLM_OWN)
     valid = [r for r in ours["load"] if r.invalid is None]
@@ -166,6 +168,9 @@ def test_our_server_ran_pcp_and_stopped_cleanly(loaded):
     log = server.log_path.read_text(errors="replace")
     for rank in (0, 1):
         assert f"cp_attention PCP model runner: pcp rank {rank}/2, token check on" in log
+        assert re.search(rf"cp_attention impl active: .* heads 9/3 .*dcp rank {rank}/2, "
+                         rf"pcp rank {rank}/2, kv_shard cp", log), log[-3000:]
+    assert "cp_attention: PCP all-gather in shared memory" in log
     assert "PCPTokenMismatch" not in log
     assert server.stopped_cleanly and not group_alive(server.pgid)
     assert loaded["own"]["server"].stopped_cleanly
