@@ -166,11 +166,13 @@ def fault_worker(rank: int, world: int, port: int, w: Workload, fault: str, bad_
                  timeout_s: float, set_subgroup_timeout: bool, outbox) -> None:
     """One process of a fault run: init with ``timeout_s``, then the CP forward of ``w``.
 
+    The rendezvous store listens on ``port`` in the parent; every rank joins it as a client.
+
     ``fault``: "exit" (bad rank dies with os._exit before the forward), "sleep" (bad rank
     stalls), "none". Puts (rank, "ok" | exception type, message, seconds to fail) in outbox.
     """
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world))
+                      WORLD_SIZE=str(world), TORCHELASTIC_USE_AGENT_STORE="True")
     torch.set_num_threads(1)
     groups = CPGroups.create(w.config, "cpu", timeout_s=timeout_s)
     if set_subgroup_timeout:

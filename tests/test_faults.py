@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import queue
 import time
+from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from cp_attention.config import CPConfig
 from cp_attention.debug import step_checksum, step_field_checksums
 from cp_attention.metadata.common import StepSpec
-from cp_attention.testing.pool import free_port
 from cp_attention.testing.workload import Workload
 
 from numerics_tasks import fault_worker, run_checked
@@ -66,7 +67,12 @@ def run_fault(fault: str, timeout_s: float, world_config: CPConfig = CP4,
     """Spawn a gloo world where ``bad_rank`` dies/stalls; results of the survivors by rank."""
     ctx = mp.get_context("spawn")
     outbox = ctx.Queue()
-    world, port = world_config.world_size, free_port()
+    world = world_config.world_size
+    # the rendezvous server lives here, on a port the OS assigned while it listens; the ranks
+    # join it as clients (TORCHELASTIC_USE_AGENT_STORE, as under torchrun)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=60))
+    port = store.port
     w = workload(world_config)
     procs = [ctx.Process(target=fault_worker, daemon=True,
                          args=(r, world, port, w, fault, bad_rank, timeout_s, set_subgroup_timeout,

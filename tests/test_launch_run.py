@@ -8,6 +8,7 @@ import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,6 @@ import torch
 
 from cp_attention.launch.device import choose_device
 from cp_attention.ops import get_ops
-from cp_attention.testing.pool import free_port
 
 pytestmark = pytest.mark.distributed
 
@@ -28,6 +28,13 @@ AUTO_2 = choose_device("auto", cuda_count=torch.cuda.device_count(), npu_count=0
                        local_world_size=2).type
 
 
+def free_port() -> int:
+    """A port free now, for two agents that must agree on one before either binds it."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
@@ -36,7 +43,7 @@ def torchrun(tmp_path: Path, name: str, *flags: str) -> tuple[subprocess.Popen, 
     """Start ``torchrun --nproc-per-node 2 launch/run_cp.py ... --json`` (not waited for)."""
     out = tmp_path / f"{name}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           "--standalone",  # the agent binds a free port itself
            str(ROOT / "launch" / "run_cp.py"), "--prompt", "300", "--requests", "2",
            "--decode-steps", "2", "--check", "--no-progress", "--json", str(out), *flags]
     return subprocess.Popen(cmd, cwd=tmp_path, env=env(), stdout=subprocess.PIPE,
@@ -129,8 +136,7 @@ def test_torchrun_two_agents_pcp_across_nodes(tmp_path, rendezvous):
     assert [r["node"] for r in ranks] == [0, 0, 1, 1]
     assert all(r["cache_exact"] and not r["any_nan"] and 0 < r["max_err"] <= 1e-4 for r in ranks)
 
-    (one_log,) = run_agents(tmp_path, "one", [["--nproc-per-node", "4", "--master-addr",
-                                               "127.0.0.1", "--master-port", str(free_port())]])
+    (one_log,) = run_agents(tmp_path, "one", [["--nproc-per-node", "4", "--standalone"]])
     assert "nodes: 1 (node 0: ranks [0, 1, 2, 3])" in one_log
     one = json.loads((tmp_path / "one.json").read_text())["reports"]
     same = ("rows_per_step", "cache_bytes", "comm_bytes", "max_err_per_step")

@@ -5,14 +5,15 @@ tasks (a task is an importable function ``fn(rank, get_groups, *args)``; ``get_g
 returns the rank's :class:`CPGroups` and ``get_groups.device`` its device). The ranks run on
 the CPU over gloo by default; ``device_type="cuda"`` (nccl) or ``"npu"`` (hccl) puts rank ``i``
 on device ``i``. A rank that raises or a task that exceeds its timeout fails the call with
-every rank's traceback, and the pool restarts on the next call.
+every rank's traceback, and the pool restarts on the next call. The parent holds the
+rendezvous store on a port the OS assigns while it listens, so pools started side by side
+(pytest-xdist) never race for a port.
 """
 from __future__ import annotations
 
 import importlib
 import os
 import queue
-import socket
 import time
 import traceback
 from datetime import timedelta
@@ -22,12 +23,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from cp_attention.parallel import CPGroups, backend_for_device
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class GroupCache:
@@ -58,9 +53,10 @@ def _worker(rank: int, world: int, port: int, inbox, outbox, collective_timeout_
     device = rank_device(device_type, rank)
     if device.type != "cpu":
         torch.get_device_module(device).set_device(device)
-    dist.init_process_group(backend_for_device(device), init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=world,
-                            timeout=timedelta(seconds=collective_timeout_s))
+    timeout = timedelta(seconds=collective_timeout_s)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    dist.init_process_group(backend_for_device(device), store=store, rank=rank,
+                            world_size=world, timeout=timeout)
     get_groups = GroupCache(device, collective_timeout_s)
 
     while True:
@@ -90,10 +86,13 @@ class RankPool:
         self.collective_timeout_s = collective_timeout_s
         self.device_type = device_type
         self._procs: list = []
+        self._store = None  # rendezvous server while ranks run
 
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
-        port = free_port()
+        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                    timeout=timedelta(seconds=self.collective_timeout_s))
+        port = self._store.port
         self._inboxes = [ctx.Queue() for _ in range(self.world_size)]
         self._outbox = ctx.Queue()
         env_threads = os.environ.get("OMP_NUM_THREADS")
@@ -157,6 +156,7 @@ class RankPool:
                 proc.kill()
                 proc.join(timeout=2)
         self._procs = []
+        self._store = None
 
     def __enter__(self) -> "RankPool":
         return self
