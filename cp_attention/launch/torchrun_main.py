@@ -105,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     if choice.note and rank == 0:
         print(f"note: {choice.note}", file=sys.stderr)
     if "MASTER_ADDR" not in os.environ:  # plain `python launch/run_cp.py` with world 1
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29511", RANK="0", WORLD_SIZE="1")
+        # port 0: the OS picks a free one (nobody else joins a world of one)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0", RANK="0", WORLD_SIZE="1")
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     groups = CPGroups.create(config, choice.device, timeout_s=args.timeout)
     if rank == 0:
