@@ -20,8 +20,10 @@ pcp=2 gives each worker half):
 
 * ``cpu_attn``: vLLM's own CPU_ATTN, pcp=1; ``cp_pcp1``: cp_attention through the plugin;
 * ``cp_pcp2``: cp_attention, ``prefill_context_parallel_size=2``;
-* ``cp_pcp2_dcp2``: also ``decode_context_parallel_size=2``; recorded as refused (with vLLM's
-  message) while vLLM refuses it for this GQA model.
+* ``cp_pcp2_dcp2``: also ``decode_context_parallel_size=2``: the KV sharded over the two PCP
+  ranks (vLLM alone refuses DCP for this GQA model at tp=1; the plugin lifts that rule for
+  pcp = dcp). A configuration vLLM refuses at start-up is recorded under ``refused`` with its
+  message instead of failing the run.
 
 Each (configuration, dtype) is one resident offline ``vllm.LLM`` in its own subprocess (this
 file with ``--engine``); per dtype the engines start one after the other, then their timed
