@@ -25,7 +25,7 @@ def context_attention(ops: AttentionOps, comm: Communicator, q: torch.Tensor,
     out, lse = ops.paged_attention(ctx_q, key_cache, value_cache, meta.ctx_block_table,
                                    meta.ctx_cu_seqlens, meta.ctx_seq_lens, scale=scale,
                                    kv_start=meta.ctx_kv_start, kv_end=meta.ctx_kv_end)
-    return combine(comm, out, lse, meta, pcp_group, dcp_group, dcp_comm_backend)
+    return combine(ops, comm, out, lse, meta, pcp_group, dcp_group, dcp_comm_backend)
 
 
 def single_pass_attention(ops: AttentionOps, comm: Communicator, q: torch.Tensor,
@@ -40,17 +40,18 @@ def single_pass_attention(ops: AttentionOps, comm: Communicator, q: torch.Tensor
         ctx_q, k, v, key_cache, value_cache, meta.step_slot_mapping, meta.ctx_block_table,
         meta.ctx_cu_seqlens, meta.single_pass_seq_lens, scale=scale,
         kv_start=meta.single_pass_kv_start, kv_end=meta.single_pass_kv_end)
-    return combine(comm, out, lse, meta, pcp_group, dcp_group, dcp_comm_backend)[0]
+    return combine(ops, comm, out, lse, meta, pcp_group, dcp_group, dcp_comm_backend)[0]
 
 
-def combine(comm: Communicator, out: torch.Tensor, lse: torch.Tensor, meta: AttentionMetadata,
-            pcp_group: Group, dcp_group: Group, dcp_comm_backend: str) -> Partial:
+def combine(ops: AttentionOps, comm: Communicator, out: torch.Tensor, lse: torch.Tensor,
+            meta: AttentionMetadata, pcp_group: Group, dcp_group: Group,
+            dcp_comm_backend: str) -> Partial:
     """Partials over this rank's KV shard (out [context rows, dcp Hq, D], lse) -> the context
     attention of the local rows over every shard: over DCP (``dcp_comm_backend``), then over
     PCP. Identity on one rank."""
     combine_dcp = combine_dcp_a2a if dcp_comm_backend == "a2a" else combine_dcp_ag_rs
     out, lse = combine_dcp(comm, out, lse, dcp_group)
-    return combine_pcp_a2a(comm, out, lse, meta, pcp_group)
+    return combine_pcp_a2a(ops, comm, out, lse, meta, pcp_group)
 
 
 def gather_context_queries(comm: Communicator, query: torch.Tensor, meta: AttentionMetadata,
@@ -95,8 +96,8 @@ def combine_dcp_a2a(comm: Communicator, out: torch.Tensor, lse: torch.Tensor,
     return merge_many(received[..., :-1].float(), received[..., -1].float())
 
 
-def combine_pcp_a2a(comm: Communicator, out: torch.Tensor, lse: torch.Tensor,
-                    meta: AttentionMetadata, pcp_group: Group
+def combine_pcp_a2a(ops: AttentionOps, comm: Communicator, out: torch.Tensor,
+                    lse: torch.Tensor, meta: AttentionMetadata, pcp_group: Group
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Partials of the context rows (step rows: decodes, then every rank's restored prefill
     rows) over this rank's shard -> ([rows, H, D], [rows, H]) of the local rows over every
@@ -111,9 +112,18 @@ def combine_pcp_a2a(comm: Communicator, out: torch.Tensor, lse: torch.Tensor,
     packed = torch.cat([out, lse.to(out.dtype).unsqueeze(-1)], dim=-1)
     if not meta.num_local_prefill_rows:  # the same on every rank (equal chunks)
         received = comm.all_gather(packed, pcp_group).view(pcp, *packed.shape)
-        return merge_many(received[..., :-1], received[..., -1])
+        return merge_partials(ops, received[..., :-1], received[..., -1])
     prefill = packed[nd:][meta.pcp_allgather_scatter_idx.to(out.device)]
     prefill = prefill.view(pcp, -1, *packed.shape[1:])
     send = torch.cat([packed[:nd].unsqueeze(0).expand(pcp, *packed[:nd].shape), prefill], dim=1)
     received = comm.all_to_all(send, pcp_group)
-    return merge_many(received[..., :-1], received[..., -1])
+    return merge_partials(ops, received[..., :-1], received[..., -1])
+
+
+def merge_partials(ops: AttentionOps, outs: torch.Tensor, lses: torch.Tensor) -> Partial:
+    """outs [N, rows, H, D], lses [N, rows, H] -> the merged (out, lse): two parts by the ops'
+    one-pass merge (decode steps at pcp=2: one C++ call on CPU instead of about ten torch
+    ops), more by :func:`merge_many`."""
+    if outs.shape[0] == 2:
+        return ops.merge_attn_states(outs[0], lses[0], outs[1], lses[1])
+    return merge_many(outs, lses)

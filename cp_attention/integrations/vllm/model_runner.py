@@ -110,13 +110,19 @@ class PCPCPUModelRunner(CPUModelRunner):
             wanted = meta.last_token_idx
         held = rows_holding(meta.inner, wanted)
         out = hidden.new_zeros((num_rows, hidden.shape[-1]))
+        stats = self.restore_stats
+        stats.steps += 1
+        if not len(meta.inner.prefill_reqs):  # decode rows run on every PCP rank, identically:
+            if bool((held < 0).any()):    # each rank has them all and no rank gathers
+                raise RuntimeError("hidden-state restore: a decode token is missing on this "
+                                   "PCP rank (row plan and vLLM batch disagree)")
+            out[wanted] = hidden[held]
+            return out
         world = self.pcp_group.world_size
         packed = pack_held_rows(hidden, held)
         before = self.pcp_comm.total_bytes
         gathered = self.pcp_comm.all_gather(packed, self.pcp_group.cpu_group)
         out[wanted] = pick_held_rows(gathered.view(world, *packed.shape), wanted)
-        stats = self.restore_stats
-        stats.steps += 1
         stats.bytes_sent += self.pcp_comm.total_bytes - before
         stats.bytes_all_rows += (world - 1) * hidden.shape[0] * hidden.shape[1] * hidden.element_size()
         if meta.inner.pcp_partition is not None and meta.inner.num_local_prefill_rows:
