@@ -205,6 +205,10 @@ def test_pcp_ranks_on_two_node_processes(launches, launch):
         assert f"cp_attention PCP model runner: pcp rank {rank}/2, token check on" in log
         assert f"pcp rank {rank}/2, kv_shard dcp" in log
         assert f"pcp rank {1 - rank}/2" not in log
+        # one shared-memory name per node: the PCP exchange stays on gloo, as vLLM's own
+        # CpuCommunicator does for a group whose ranks disagree on it
+        assert "the PCP exchange runs on gloo (its ranks are on 2 vLLM nodes" in log
+        assert "PCP all-gather in shared memory" not in log
     assert "cp_attention hidden restore" in node1_log  # rank 1 sent its rows across
     assert "PCPTokenMismatch" not in node0_log + node1_log
 

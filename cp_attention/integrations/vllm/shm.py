@@ -5,7 +5,9 @@ KB per layer call, whose cost is the collective's latency. gloo takes 0.3-0.7 ms
 host (two processes, this project's dev machine); vLLM CPU's shared-memory all-gather, which
 vLLM itself uses only for its TP and PP groups, about 15 us. One manager per process and group,
 set up when the first layer is built (every rank builds its layers in the same order, so the
-setup's collectives match); ``CP_ATTENTION_VLLM_SHM=0`` keeps gloo.
+setup's collectives match); ``CP_ATTENTION_VLLM_SHM=0`` keeps gloo. As in vLLM's own
+``CpuCommunicator``, the group stays on gloo when its ranks do not agree on one shared-memory
+name: a PCP group spanning vLLM nodes (``--nnodes``) has one ``VLLM_DIST_IDENT`` per node.
 """
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ from cp_attention.integrations.vllm import LOGGER_NAME
 
 log = logging.getLogger(LOGGER_NAME)
 ENV_SHM = "CP_ATTENTION_VLLM_SHM"  # "0": the PCP exchange stays on gloo
-_MANAGERS: dict[str, AllGatherInto] = {}  # shared-memory group name -> its all-gather
+# shared-memory group name -> its all-gather, None where the group's ranks disagree on the name
+_MANAGERS: dict[str, AllGatherInto | None] = {}
 
 
 def impl_communicator(config: CPConfig) -> Communicator:
@@ -36,15 +39,25 @@ def impl_communicator(config: CPConfig) -> Communicator:
         log.info("cp_attention: the PCP exchange runs on gloo (no vLLM CPU shared memory ops)")
         return comm
     group = get_pcp_group()
-    comm.shm_all_gather[group.cpu_group] = shm_all_gather(group)
+    gather = shm_all_gather(group)
+    if gather is not None:
+        comm.shm_all_gather[group.cpu_group] = gather
     return comm
 
 
-def shm_all_gather(group: GroupCoordinator) -> AllGatherInto:
-    """The shared-memory all-gather of ``group`` (made once per process; collective)."""
+def shm_all_gather(group: GroupCoordinator) -> AllGatherInto | None:
+    """The shared-memory all-gather of ``group``, or None where its ranks do not share one
+    shared-memory name (made once per process; collective)."""
     ranks = "-".join(map(str, group.ranks))
     name = f"{os.environ['VLLM_DIST_IDENT']}-cp_attention-pcp-[{ranks}]-cpushm"
     if name not in _MANAGERS:
+        names: list[str] = [""] * group.world_size
+        dist.all_gather_object(names, name, group=group.cpu_group)
+        if len(set(names)) > 1:
+            log.info("cp_attention: the PCP exchange runs on gloo (its ranks are on %d vLLM "
+                     "nodes: no one shared-memory name)", len(set(names)))
+            _MANAGERS[name] = None
+            return None
         threads = torch.tensor([torch.get_num_threads()], dtype=torch.int64)
         dist.all_reduce(threads, op=dist.ReduceOp.MIN, group=group.cpu_group)
         handle = torch.ops._C.init_shm_manager(name, group.world_size, group.rank_in_group,
