@@ -199,6 +199,30 @@ def test_speculative_decode_rows_with_causal_offsets(ops):
     check_against_oracle(out, lse, args[0], keys, values, q_lens, seq_lens, 0.1, None, kv_end)
 
 
+def test_index_tensors_of_any_integer_dtype_and_stride(ops):
+    """cu_seqlens_q, seq_lens, kv_start and kv_end are read in place when 1-D int32/int64
+    (strided views included) and converted otherwise: every form gives the same result."""
+    gen = torch.Generator().manual_seed(5)
+    seq_lens, q_lens = [37, 200, 129], [2, 3, 1]
+    args, keys, values = paged_case(seq_lens, q_lens, 16, 2, 3, 64, torch.float32, False,
+                                    torch.int64, gen)
+    q, kc, vc, table, cu_q, lens = args
+    kv_start = torch.tensor([0, 5, 0, 10, 90, 3])
+    kv_end = torch.tensor([36, 37, 150, 199, 200, 129])
+    expected = ops.paged_attention(*args, scale=0.3, kv_start=kv_start, kv_end=kv_end)
+    check_against_oracle(*expected, q, keys, values, q_lens, seq_lens, 0.3, kv_start, kv_end)
+
+    def strided(x, dtype):  # every other element of a longer tensor: stride 2
+        return torch.stack([x, torch.full_like(x, -7)], dim=1).to(dtype)[:, 0]
+
+    for form in (lambda x: x.to(torch.int32), lambda x: strided(x, torch.int32),
+                 lambda x: strided(x, torch.int64), lambda x: x.to(torch.int16),
+                 lambda x: x.view(-1, 1)):
+        out, lse = ops.paged_attention(q, kc, vc, table, form(cu_q), form(lens), scale=0.3,
+                                       kv_start=form(kv_start), kv_end=form(kv_end))
+        assert torch.equal(out, expected[0]) and torch.equal(lse, expected[1])
+
+
 def test_empty_inputs(ops):
     gen = torch.Generator().manual_seed(1)
     args, _, _ = paged_case([0, 0], [0, 0], 16, 1, 4, 64, torch.float32, False, torch.int32, gen)

@@ -32,7 +32,7 @@ class CpuOps(AttentionOps):
 
     def varlen_attention(self, q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal,
                          window=None, seqused_k=None):
-        if q.dtype not in _KERNEL_DTYPES or q.device.type != "cpu":
+        if q.dtype not in _KERNEL_DTYPES or not q.is_cpu:
             return self._reference.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                     scale=scale, causal=causal, window=window,
                                                     seqused_k=seqused_k)
@@ -65,14 +65,14 @@ class CpuOps(AttentionOps):
 
     def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping):
         """Works on strided views (e.g. vLLM's ``[blocks, heads, slots, 2 * D]`` cache)."""
-        if key.device.type != "cpu" or key_cache.stride(-1) != 1 or \
+        if not key.is_cpu or key_cache.stride(-1) != 1 or \
                 value_cache.stride(-1) != 1:
             self._reference.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
             return
         self._ext.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
     def merge_attn_states(self, out_a, lse_a, out_b, lse_b):
-        if all(x.dtype == torch.float32 and x.device.type == "cpu"
+        if all(x.dtype == torch.float32 and x.is_cpu
                for x in (out_a, lse_a, out_b, lse_b)) and out_a.stride(-1) == 1 and \
                 out_b.stride(-1) == 1:
             return self._ext.merge_attn_states(out_a, lse_a, out_b, lse_b)
@@ -82,4 +82,4 @@ class CpuOps(AttentionOps):
 def _kernel_reads(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
     """Whether the C++ paged kernel takes these (CPU, its dtypes, head_size contiguous)."""
     return q.dtype in _KERNEL_DTYPES and key_cache.dtype in _KERNEL_DTYPES and \
-        q.device.type == "cpu" and key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1
+        q.is_cpu and key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1

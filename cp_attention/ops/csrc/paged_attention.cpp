@@ -8,7 +8,7 @@
 // prefetched meanwhile (decode does ~4 flop per byte read: without the overlap the DRAM
 // reads stall it about as long as it computes). Scores and probabilities are lane-parallel
 // over the rows (a lane group of up to 4 rows gets its scores from dot products over d
-// instead; an item of 1 or 2 rows per KV head, a decode with a GQA group of 1 or 2, keeps
+// instead; an item of 1 to 4 rows per KV head, a decode with a GQA group of 1 to 4, keeps
 // its scores and softmax with keys along the lanes, 8 keys per exp: run_item<.., kKeyRows>),
 // the online softmax rescales the float32 accumulators, and long contexts are cut
 // into several key ranges when threads would otherwise idle; those partials are merged by
@@ -34,19 +34,23 @@ constexpr int64_t kRowsPerItem = 64;   // query rows (tokens x group heads) per 
 constexpr int64_t kMinSplitKeys = 512;  // shortest key range worth its own work item
 constexpr int64_t kMaxItemRows = 256;   // query rows of all KV heads of an item (scratch)
 constexpr ScoreBase kBase = ScoreBase::kNatural;  // scores q . k * scale
-constexpr int kKeyLaneRows = 2;  // items of at most this many rows per KV head: keys on lanes
+constexpr int kKeyLaneRows = 4;  // items of at most this many rows per KV head: keys on lanes
 
-// Reads entries of an int32 or int64 2-D index tensor without converting it.
+// Reads entries of an int32 or int64 index tensor (1-D or 2-D) without converting it (vLLM
+// passes int32; a conversion per call cost 1.8 us of an 8 us decode call).
 struct IndexTable {
-  const void* data;
-  bool is_int32;
-  int64_t stride0, stride1;
+  const void* data = nullptr;  // null: no tensor (at() must not be called)
+  bool is_int32 = false;
+  int64_t stride0 = 0, stride1 = 0;
 
+  IndexTable() = default;
   explicit IndexTable(const at::Tensor& t)
       : data(t.data_ptr()), is_int32(t.scalar_type() == at::kInt),
-        stride0(t.stride(0)), stride1(t.stride(1)) {}
+        stride0(t.stride(0)), stride1(t.dim() > 1 ? t.stride(1) : 0) {}
 
-  int64_t at(int64_t i, int64_t j) const {
+  explicit operator bool() const { return data != nullptr; }
+
+  int64_t at(int64_t i, int64_t j = 0) const {
     const int64_t k = i * stride0 + j * stride1;
     return is_int32 ? static_cast<const int32_t*>(data)[k] : static_cast<const int64_t*>(data)[k];
   }
@@ -195,8 +199,13 @@ class TilePrefetcher {
 
 // scores[j] (lane i) = sum_d q_t[d][i] * K_j[d] for the n keys K_j = keys + j * key_stride.
 // Steps `prefetch` once per d and key block (enough for a tile of its dtype's rows).
-CP_INLINE void qk_tile(const float* q_t, const float* keys, int64_t key_stride, int n,
-                    int64_t dim, vf8* scores, TilePrefetcher& prefetch) {
+// kStride > 0: key_stride is kStride, so the 8 keys of a block are immediate offsets from one
+// pointer (a runtime stride needs 8 pointers, more than the free registers: 1.25x the time of
+// the 8/1-head fp32 decode, Zen 4).
+template <int64_t kStride>
+CP_INLINE void qk_tile_strided(const float* q_t, const float* keys, int64_t runtime_stride,
+                               int n, int64_t dim, vf8* scores, TilePrefetcher& prefetch) {
+  const int64_t key_stride = kStride > 0 ? kStride : runtime_stride;
   int j = 0;
   for (; j + 8 <= n; j += 8) {
     const float* k = keys + j * key_stride;
@@ -246,6 +255,18 @@ CP_INLINE void qk_tile(const float* q_t, const float* keys, int64_t key_stride, 
     }
     for (; d < dim; ++d) a0 += load8(q_t + d * kLanes) * splat(k[d]);
     scores[j] = a0 + a1;
+  }
+}
+
+// qk_tile_strided with the key strides of the common layouts as constants: head sizes 64 and
+// 128, one KV head per slot, or K and V packed in one row (vLLM's layout), or staged rows.
+CP_INLINE void qk_tile(const float* q_t, const float* keys, int64_t key_stride, int n,
+                       int64_t dim, vf8* scores, TilePrefetcher& prefetch) {
+  switch (key_stride) {
+    case 64: return qk_tile_strided<64>(q_t, keys, 0, n, dim, scores, prefetch);
+    case 128: return qk_tile_strided<128>(q_t, keys, 0, n, dim, scores, prefetch);
+    case 256: return qk_tile_strided<256>(q_t, keys, 0, n, dim, scores, prefetch);
+    default: return qk_tile_strided<0>(q_t, keys, key_stride, n, dim, scores, prefetch);
   }
 }
 
@@ -335,6 +356,23 @@ CP_INLINE void qk_dot(const float* q_rows, int rows, const key_t* keys, int64_t 
   }
 }
 
+// An empty asm that takes the C vectors in registers: GCC otherwise folds a float32 load into
+// each FMA that uses it, R loads of one V vector instead of one (a load-bound P.V; 0.86x the
+// time of the 8/1-head bf16 decode, Zen 4).
+template <int C>
+CP_INLINE void keep_in_registers(vf8* v) {
+#if defined(__x86_64__)
+  if constexpr (C == 1) {
+    asm("" : "+x"(v[0]));
+  } else if constexpr (C == 2) {
+    asm("" : "+x"(v[0]), "+x"(v[1]));
+  } else {
+    static_assert(C == 4, "pv_rows runs 1, 2 or 4 column vectors");
+    asm("" : "+x"(v[0]), "+x"(v[1]), "+x"(v[2]), "+x"(v[3]));
+  }
+#endif
+}
+
 // acc rows lane0 .. lane0 + R (columns [c0, c0 + 8 C)) += sum_j p[j][lane] * V_j: each V
 // vector is loaded once for the R rows (R * C accumulators in registers).
 template <int R, int C, typename value_t>
@@ -347,6 +385,7 @@ CP_INLINE void pv_rows(float* acc, int64_t dim, int lane0, const vf8* probs,
     const value_t* v = values + j * value_stride + c0;
     vf8 vv[C];
     for (int c = 0; c < C; ++c) vv[c] = load8(v + c * kLanes);
+    keep_in_registers<C>(vv);
     for (int r = 0; r < R; ++r) {
       const vf8 p = splat(probs[j][lane0 + r]);
       for (int c = 0; c < C; ++c) a[r][c] += p * vv[c];
@@ -361,6 +400,8 @@ template <int R, typename value_t>
 CP_INLINE void pv_row_block(float* acc, int64_t dim, int lane0, const vf8* probs,
                             const value_t* values, int64_t value_stride, int n,
                             int64_t vec_end) {
+  // (C = 4 for R = 3, 4 where AVX-512 gives 32 registers: 1.06-1.1x the time at 8/1 heads
+  // and 32/8 heads D=128 bf16, Zen 4)
   constexpr int C = kLanes / R > 4 ? 4 : kLanes / R;
   int64_t c = 0;
   for (; c + C * kLanes <= vec_end; c += C * kLanes)
@@ -437,9 +478,10 @@ CP_INLINE void attend_tile(const PagedProblem& pb, Scratch& s, int64_t rows, int
   }
 }
 
-// ---- items of at most kKeyLaneRows rows per KV head (decode, GQA group 1 or 2) ----------
+// ---- items of at most kKeyLaneRows rows per KV head (decode, GQA group 1 to 4) -----------
 // Their scores are computed and soft-maxed with keys along the lanes (8 keys per exp, where
-// one lane per row would use 1 or 2 of each vector's 8 lanes).
+// one lane per row would use 1 to 4 of each vector's 8 lanes; for 3 and 4 rows 0.91-0.96x
+// the time of lanes = rows at 9/3 heads, Zen 4).
 
 // out[r * kTileKeys + j] = q_r . K_j for R rows and J = 8 / R keys (qk_dots).
 template <int R, int J, typename key_t>
@@ -511,6 +553,7 @@ CP_INLINE void pv_key_cols(float* acc, int64_t dim, const float* p, const float*
     const value_t* v = values + j * value_stride + c0;
     vf8 vv[C];
     for (int c = 0; c < C; ++c) vv[c] = load8(v + c * kLanes);
+    keep_in_registers<C>(vv);
     for (int r = 0; r < R; ++r) {
       const vf8 pr = splat(p[r * kTileKeys + j]);
       for (int c = 0; c < C; ++c) a[r][c] += pr * vv[c];
@@ -525,8 +568,9 @@ CP_INLINE void pv_key_rows(float* acc, int64_t dim, const float* p, const float*
                            const value_t* values, int64_t value_stride, int n) {
   const int64_t vec_end = dim - dim % kLanes;
   int64_t c = 0;
-  for (; c + 4 * kLanes <= vec_end; c += 4 * kLanes)
-    pv_key_cols<R, 4>(acc, dim, p, alpha, values, value_stride, n, c);
+  constexpr int C = R <= 2 ? 4 : 2;  // R * C accumulators
+  for (; c + C * kLanes <= vec_end; c += C * kLanes)
+    pv_key_cols<R, C>(acc, dim, p, alpha, values, value_stride, n, c);
   for (; c < vec_end; c += kLanes)
     pv_key_cols<R, 1>(acc, dim, p, alpha, values, value_stride, n, c);
   for (int r = 0; r < R; ++r)  // head sizes that are not a multiple of 8
@@ -763,8 +807,8 @@ struct PagedPlan {
 // so that every thread gets work.
 PagedPlan plan_paged(const PagedShape& shape, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, int64_t max_blocks_per_req,
-                     const int64_t* cu, const int64_t* len, const int64_t* start,
-                     const int64_t* end) {
+                     const IndexTable& cu, const IndexTable& len, const IndexTable& start,
+                     const IndexTable& end) {
   const int64_t num_tokens = shape.num_tokens, num_kv_heads = shape.num_kv_heads;
   PagedPlan plan;
   plan.row_lo.assign(num_tokens, 0);
@@ -775,15 +819,15 @@ PagedPlan plan_paged(const PagedShape& shape, const at::Tensor& key_cache,
   std::vector<Unit> units;
   int64_t total_keys = 0;
   for (int64_t r = 0; r < shape.num_reqs; ++r) {
-    const int64_t qs = cu[r], qe = cu[r + 1], seq_len = len[r];
+    const int64_t qs = cu.at(r), qe = cu.at(r + 1), seq_len = len.at(r);
     TORCH_CHECK_VALUE(0 <= qs && qs <= qe && qe <= num_tokens, "cu_seqlens_q[", r, ":", r + 2,
                       "] = [", qs, ", ", qe, "] is not a range of the ", num_tokens, " query rows");
     TORCH_CHECK_VALUE(0 <= seq_len && seq_len <= max_blocks_per_req * shape.block_size,
                       "seq_lens[", r, "] = ", seq_len, " does not fit ", max_blocks_per_req,
                       " blocks of ", shape.block_size);
     for (int64_t t = qs; t < qe; ++t) {
-      plan.row_lo[t] = start ? std::clamp<int64_t>(start[t], 0, seq_len) : 0;
-      plan.row_hi[t] = end ? std::clamp<int64_t>(end[t], 0, seq_len) : seq_len;
+      plan.row_lo[t] = start ? std::clamp<int64_t>(start.at(t), 0, seq_len) : 0;
+      plan.row_hi[t] = end ? std::clamp<int64_t>(end.at(t), 0, seq_len) : seq_len;
     }
     for (int64_t t0 = qs; t0 < qe; t0 += tokens_per_item) {
       const int64_t t1 = std::min(qe, t0 + tokens_per_item);
@@ -848,6 +892,8 @@ void run_paged(const PagedProblem& pb, const PagedPlan& plan, at::ScalarType kv_
                 const int64_t rows = (item.t1 - item.t0) * pb.group;  // per KV head
                 auto run = rows == 1   ? run_item<scalar_t, 1>
                            : rows == 2 ? run_item<scalar_t, 2>
+                           : rows == 3 ? run_item<scalar_t, 3>
+                           : rows == 4 ? run_item<scalar_t, 4>
                                        : run_item<scalar_t, 0>;
                 run(pb, item, s, out, lse, part_out.data(), part_lse.data(), bad_block);
               });
@@ -884,15 +930,19 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cpu(
   at::Tensor lse = at::full({shape.num_tokens, shape.num_q_heads}, kNegInf, q.options());
   if (shape.num_tokens == 0 || shape.num_reqs == 0) return {out, lse};
 
-  const at::Tensor cu_q = cu_seqlens_q_in.to(at::kLong).contiguous();
-  const at::Tensor lens = seq_lens_in.to(at::kLong).contiguous();
+  // 1-D int32 and int64 are read in place (strided); others are flattened and converted.
+  const auto as_index = [](const at::Tensor& t) {
+    const at::Tensor flat = t.dim() == 1 ? t : t.reshape(-1);
+    const auto dtype = flat.scalar_type();
+    return dtype == at::kInt || dtype == at::kLong ? flat : flat.to(at::kLong);
+  };
+  const at::Tensor cu_q = as_index(cu_seqlens_q_in), lens = as_index(seq_lens_in);
   std::optional<at::Tensor> start, end;
-  if (kv_start.has_value()) start = kv_start->to(at::kLong).contiguous();
-  if (kv_end.has_value()) end = kv_end->to(at::kLong).contiguous();
+  if (kv_start.has_value()) start = as_index(*kv_start);
+  if (kv_end.has_value()) end = as_index(*kv_end);
   const PagedPlan plan = plan_paged(
-      shape, key_cache, value_cache, block_table.size(1), cu_q.data_ptr<int64_t>(),
-      lens.data_ptr<int64_t>(), start ? start->data_ptr<int64_t>() : nullptr,
-      end ? end->data_ptr<int64_t>() : nullptr);
+      shape, key_cache, value_cache, block_table.size(1), IndexTable(cu_q), IndexTable(lens),
+      start ? IndexTable(*start) : IndexTable(), end ? IndexTable(*end) : IndexTable());
   const PagedProblem pb{
       q.data_ptr<float>(),
       static_cast<const char*>(key_cache.data_ptr()),
