@@ -171,12 +171,13 @@ def test_interleaved_heads_cache(ops, threads, hkv, group, q_len, dtype):
 
 
 @pytest.mark.parametrize("group", [2, 3, 5, 11])
-@pytest.mark.parametrize("d", [12, 72])
+@pytest.mark.parametrize("d", [12, 32, 72])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_row_and_key_remainders(ops, group, d, dtype):
     """Lane groups of 1 to 7 rows (the dot-product score kernel takes those of up to 4), head
-    sizes that are not a multiple of 8 lanes, and key counts that are not a multiple of the
-    score kernels' key blocks, with ranges cutting tiles."""
+    sizes that are not a multiple of 8 lanes (and D=32: bf16 dot products where the CPU has
+    avx512_bf16), and key counts that are not a multiple of the score kernels' key blocks,
+    with ranges cutting tiles."""
     gen = torch.Generator().manual_seed(group * 100 + d)
     seq_lens, q_lens = [0, 1, 37, 300], [1, 2, 3, 1]
     args, keys, values = paged_case(seq_lens, q_lens, 16, 2, group, d, dtype, True,
@@ -186,6 +187,19 @@ def test_row_and_key_remainders(ops, group, d, dtype):
     for ranges in [(None, None), (kv_start, kv_end)]:
         out, lse = ops.paged_attention(*args, scale=0.2, kv_start=ranges[0], kv_end=ranges[1])
         check_against_oracle(out, lse, args[0], keys, values, q_lens, seq_lens, 0.2, *ranges)
+
+
+@pytest.mark.parametrize("group", [1, 3, 8])
+def test_float32_queries_on_a_bf16_cache(ops, group):
+    """float32 queries over a bf16 cache take the widening path on every CPU (the bf16 dot
+    products need bf16 queries): same oracle."""
+    gen = torch.Generator().manual_seed(group)
+    seq_lens, q_lens = [45, 300], [1, 3]
+    args, keys, values = paged_case(seq_lens, q_lens, 16, 2, group, 64, torch.bfloat16, False,
+                                    torch.int32, gen)
+    q = torch.randn(args[0].shape, generator=gen)
+    out, lse = ops.paged_attention(q, *args[1:], scale=0.125)
+    check_against_oracle(out, lse, q, keys, values, q_lens, seq_lens, 0.125, None, None)
 
 
 def test_speculative_decode_rows_with_causal_offsets(ops):
