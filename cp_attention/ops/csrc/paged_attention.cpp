@@ -520,7 +520,8 @@ CP_INLINE void pv_tile(float* acc, int rows, const vf8* probs, const value_t* va
 }
 
 // Folds keys [t, t + n) of KV head `h` of the item into its lane groups' softmax state and
-// accumulators. K/V rows are `key_stride` / `value_stride` elements apart, float32 or 16-bit.
+// accumulators. K/V rows are `key_stride` / `value_stride` elements apart; K is float32 (or
+// bf16 with pb.bf16_dot), V float32.
 template <typename key_t, typename value_t>
 CP_INLINE void attend_tile(const PagedProblem& pb, Scratch& s, int64_t rows, int64_t groups,
                            int64_t h, int64_t t, int n, const key_t* keys, int64_t key_stride,
@@ -531,25 +532,15 @@ CP_INLINE void attend_tile(const PagedProblem& pb, Scratch& s, int64_t rows, int
     if (s.grp_lo[g] >= t + n || s.grp_hi[g] <= t) continue;  // no lane sees this tile
     const int64_t slot = h * groups + g;
     const int lanes = static_cast<int>(std::min<int64_t>(kLanes, rows - g * kLanes));
-    if constexpr (std::is_same_v<key_t, c10::BFloat16> && kHasBF16Dot) {
-      if (lanes > kDotRows && pb.bf16_dot) {  // K read in place, no widening
-        qk_tile_bf16(s.q_pairs.data() + slot * (dim / 2) * kLanes, keys, key_stride, n, dim,
-                     pb.scale, s.scores, prefetch);
-      } else {
-        qk_dot(s.q_rows.data() + slot * kLanes * dim, lanes, keys, key_stride, n, dim,
-               s.scores, prefetch);
-      }
-    } else if constexpr (std::is_same_v<key_t, float>) {
-      if (lanes > kDotRows) {
-        qk_tile(s.q_t.data() + slot * dim * kLanes, keys, key_stride, n, dim, s.scores,
-                prefetch);
-      } else {
-        qk_dot(s.q_rows.data() + slot * kLanes * dim, lanes, keys, key_stride, n, dim,
-               s.scores, prefetch);
-      }
-    } else {
+    if (lanes <= kDotRows) {
       qk_dot(s.q_rows.data() + slot * kLanes * dim, lanes, keys, key_stride, n, dim, s.scores,
              prefetch);
+    } else if constexpr (std::is_same_v<key_t, float>) {
+      qk_tile(s.q_t.data() + slot * dim * kLanes, keys, key_stride, n, dim, s.scores,
+              prefetch);
+    } else {  // bf16 K in place (pb.bf16_dot), no widening
+      qk_tile_bf16(s.q_pairs.data() + slot * (dim / 2) * kLanes, keys, key_stride, n, dim,
+                   pb.scale, s.scores, prefetch);
     }
     if (!(s.grp_all_lo[g] <= t && s.grp_all_hi[g] >= t + n)) {  // some lane sees part of it
       for (int j = 0; j < n; ++j) {
@@ -794,10 +785,9 @@ __attribute__((noinline)) void run_item(const PagedProblem& pb, const WorkItem& 
   }
   std::fill(s.state.begin(), s.state.begin() + heads * groups, SoftmaxState());
 
-  // 16-bit K/V are widened as they are loaded when every lane group takes dot products (at
-  // most kDotRows rows: each element feeds one multiply-add per row); wider groups share
-  // rows converted once per tile.
-  const bool in_place = std::is_same_v<scalar_t, float> || rows <= kDotRows;
+  // Items of up to kKeyLaneRows rows read 16-bit K/V in place (attend_key_lanes widens each
+  // element as it loads it); wider items widen the tile's rows once into k_buf / v_buf (K
+  // stays in place with bf16 dot products).
   Tile<scalar_t> tile = locate_tile<scalar_t>(pb, item, k_begin, k_end);
   for (int64_t t = k_begin; t < k_end;) {
     if (tile.n == 0) {
@@ -815,25 +805,21 @@ __attribute__((noinline)) void run_item(const PagedProblem& pb, const WorkItem& 
       if constexpr (kKeyRows > 0) {
         attend_key_lanes<kKeyRows>(pb, s, h, t, n, k_src, pb.k_stride[1], v_src,
                                    pb.v_stride[1], prefetch);
-        continue;
-      }
-      if (in_place) {
+      } else if constexpr (std::is_same_v<scalar_t, float>) {
         attend_tile(pb, s, rows, groups, h, t, n, k_src, pb.k_stride[1], v_src,
                     pb.v_stride[1], prefetch);
-        continue;
-      }
-      if constexpr (!std::is_same_v<scalar_t, float> && kKeyRows == 0) {
-        if (std::is_same_v<scalar_t, c10::BFloat16> && pb.bf16_dot) {  // K read in place
-          for (int j = 0; j < n; ++j)
-            to_float(v_src + j * pb.v_stride[1], s.v_buf.data() + j * dim, dim);
-          attend_tile(pb, s, rows, groups, h, t, n, k_src, pb.k_stride[1], s.v_buf.data(),
-                      dim, prefetch);
-          continue;
-        }
-        for (int j = 0; j < n; ++j) {
-          to_float(k_src + j * pb.k_stride[1], s.k_buf.data() + j * dim, dim);
+      } else {
+        for (int j = 0; j < n; ++j)
           to_float(v_src + j * pb.v_stride[1], s.v_buf.data() + j * dim, dim);
+        if constexpr (kHasBF16Dot && std::is_same_v<scalar_t, c10::BFloat16>) {
+          if (pb.bf16_dot) {
+            attend_tile(pb, s, rows, groups, h, t, n, k_src, pb.k_stride[1], s.v_buf.data(),
+                        dim, prefetch);
+            continue;
+          }
         }
+        for (int j = 0; j < n; ++j)
+          to_float(k_src + j * pb.k_stride[1], s.k_buf.data() + j * dim, dim);
         attend_tile(pb, s, rows, groups, h, t, n, s.k_buf.data(), dim, s.v_buf.data(), dim,
                     prefetch);
       }
