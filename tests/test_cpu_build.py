@@ -60,3 +60,20 @@ def test_forced_reference_is_logged(monkeypatch, caplog, capsys, fresh_loader):
     assert any(cpu_build.FORCE_ENV in r.getMessage() for r in caplog.records)
     assert cpu_build.build_main([]) == 0
     assert "nothing built" in capsys.readouterr().out
+
+
+def test_a_build_leaves_the_extension_name_unchanged(monkeypatch, tmp_path):
+    """cpp_extension's load() appends its own flags to the flag lists it is given; had it been
+    handed ours, the name (a hash of the flags) would change after a first build and a later
+    load in the same process would build and register a second library (an abort)."""
+    before = cpu_build.extension_path()
+
+    def load_appending_flags(**kwargs):
+        kwargs["extra_cflags"].append("-fPIC")
+        kwargs["extra_ldflags"].append("-ltorch")
+
+    monkeypatch.setattr(cpu_build, "load", load_appending_flags)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    cpu_build._compile("cp_attention_cpu_flags_test", [])
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    assert cpu_build.extension_path() == before

@@ -36,8 +36,11 @@ from torch.utils.cpp_extension import _get_build_directory, load
 
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
 FORCE_ENV = "CP_ATTENTION_OPS"
-_CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fno-math-errno"]
-_LDFLAGS = ["-fopenmp"]
+# Tuples: cpp_extension appends its own flags to the lists it is given, which would change
+# extension_name() after a first build (a second build in the same process would then register
+# the torch.library namespace twice and abort).
+_CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fno-math-errno")
+_LDFLAGS = ("-fopenmp",)
 STALE_LOCK_S = 30 * 60  # far above a build under load; an older lock has no live owner
 BUILD_TIME = "about 1 minute on 2 cores"  # measured: docs/devices.md, CPU ops
 log = logging.getLogger("cp_attention")
@@ -120,7 +123,7 @@ def _compile(name: str, sources: list[Path], verbose: bool = False) -> _OpNamesp
     stale lock; raises what the build raises."""
     clear_stale_lock(name)
     load(name=name, sources=[str(p) for p in sources], extra_include_paths=[str(CSRC_DIR)],
-         extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS, is_python_module=False, verbose=verbose)
+         extra_cflags=list(_CFLAGS), extra_ldflags=list(_LDFLAGS), is_python_module=False, verbose=verbose)
     return torch.ops.cp_attention
 
 
