@@ -151,6 +151,18 @@ def test_head_size_not_a_multiple_of_eight(kernel):
     _assert_close(out, lse, *_oracle(q, k, v, [30, 9], [50, 9], 0.2, True, 6))
 
 
+@pytest.mark.parametrize("head_size, key_step", [(36, 1), (35, 1), (64, 2)])
+def test_bf16_key_layouts(kernel, head_size, key_step):
+    """bf16 keys read in place as pairs (even D, contiguous rows; avx512_bf16 builds) and the
+    widening path for an odd D or keys whose elements are not adjacent (key_step 2)."""
+    q, k, v, cu_q, cu_k = _make([40, 7], [130, 7], 4, 2, head_size, torch.bfloat16, head_size)
+    if key_step > 1:
+        k = torch.stack([k, torch.zeros_like(k)], dim=-1).flatten(-2)[..., ::key_step]
+        assert k.stride(2) == key_step
+    out, lse = _run(kernel, q, k, v, cu_q, cu_k, head_size ** -0.5, True, None)
+    _assert_close(out, lse, *_oracle(q, k, v, [40, 7], [130, 7], head_size ** -0.5, True, None))
+
+
 def test_large_scores_do_not_overflow(kernel):
     """Scores in the hundreds: the running max keeps every exponent <= 0."""
     q, k, v, cu_q, cu_k = _make([120], [120], 2, 1, 64, torch.float32, 3)

@@ -21,8 +21,16 @@
 #include <cstring>
 #include <limits>
 
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+
+// bf16 dot products (vdpbf16ps: two exact bf16 products added per float32 lane) where the
+// build targets a CPU with avx512_bf16 (Zen 4, Sapphire Rapids); kernels fall back to widening.
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+#define CP_HAS_BF16_DOT 1
+#else
+#define CP_HAS_BF16_DOT 0
 #endif
 
 namespace cp_attention {
@@ -34,6 +42,8 @@ typedef float vf8 __attribute__((vector_size(32)));
 typedef int32_t vi8 __attribute__((vector_size(32)));
 typedef uint16_t vu16x8 __attribute__((vector_size(16)));
 typedef uint32_t vu32x8 __attribute__((vector_size(32)));
+
+constexpr bool kHasBF16Dot = CP_HAS_BF16_DOT;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kLog2e = 1.4426950408889634f;

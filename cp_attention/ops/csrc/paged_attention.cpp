@@ -368,8 +368,7 @@ CP_INLINE void qk_dot(const float* q_rows, int rows, const key_t* keys, int64_t 
 // in float32, where the float32 path widens every K element first (two instructions per 8).
 // The query is not pre-scaled (scale * q would be rounded to bf16): the scores are scaled.
 // 9/3 and 32/8 heads: 0.75-0.80x the time, 8/8: 0.76x, 8/1: 0.90-0.92x (Zen 4, K/V in cache).
-#if defined(__AVX512BF16__) && defined(__AVX512VL__)
-constexpr bool kHasBF16Dot = true;
+#if CP_HAS_BF16_DOT
 // Lane j * R + r = q_r . K_j for R rows of bf16 bits and J bf16 keys: vdpbf16ps, two exact
 // products per lane and instruction (no widening of K), dim % 16 == 0. Steps `prefetch` once
 // per K vector (16 elements).
@@ -436,8 +435,6 @@ CP_INLINE void qk_tile_bf16(const uint32_t* q_pairs, const c10::BFloat16* keys,
     scores[j] *= splat(scale);
   }
 }
-#else
-constexpr bool kHasBF16Dot = false;
 #endif
 
 // An empty asm that takes the C vectors in registers: GCC otherwise folds a float32 load into
@@ -573,7 +570,7 @@ template <int R, int J, typename query_t, typename key_t>
 CP_INLINE vf8 qk_dots_of(const query_t* q, const key_t* keys, int64_t key_stride, int64_t dim,
                          float scale, TilePrefetcher& prefetch) {
   if constexpr (std::is_same_v<query_t, uint16_t>) {
-#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+#if CP_HAS_BF16_DOT
     return qk_dots_bf16<R, J>(q, keys, key_stride, dim, prefetch) * splat(scale);
 #else
     static_assert(!std::is_same_v<query_t, uint16_t>, "bf16 dot products need avx512_bf16");
