@@ -8,12 +8,14 @@
 //   O [M, D] = alpha * O + P V_tile (same micro-kernel, query rows x head dims)
 // Key tiles outside every row's causal / window range are skipped; only tiles that cross a
 // row's range boundary are masked. Each K/V tile is read once for the whole query group.
-// Float32 K/V with contiguous rows are read in place; bf16 / fp16 / strided rows are converted
-// tile by tile into a small float32 buffer (never the whole tensor). With bf16 q/k on a CPU with
-// avx512_bf16, S^T comes from bf16 dot products instead (vdpbf16ps: pairs of exact products,
-// float32 sums): K read in place, queries unscaled, scores scaled; P V stays float32. Work items are sorted by
-// cost and handed out dynamically to at::get_num_threads() threads. Vectors, exp2, the
-// conversions, the softmax state and the work queue are attention_common.h's.
+// Float32 K/V rows are read in place (unless 2 KB apart: L1 set conflicts); other rows are
+// converted or copied tile by tile into a small float32 buffer (never the whole tensor). With bf16 q/k on a
+// CPU with avx512_bf16, S^T comes from bf16 dot products instead (vdpbf16ps: pairs of exact
+// products, float32 sums): K read in place, queries unscaled, scores scaled; P V stays
+// float32. Work items run request by request (longest requests first), each KV head's items in
+// a row, longest first (its K/V stay in cache), handed out dynamically to
+// at::get_num_threads() threads. Vectors, exp2, the conversions, the softmax state and the work
+// queue are attention_common.h's.
 #include "varlen_attention.h"
 
 #include <ATen/ops/empty.h>
@@ -205,7 +207,7 @@ struct Problem {
   int64_t group;
   int64_t head_size;
   int64_t head_size_padded;  // multiple of 8; == head_size when K/V are read in place
-  bool kv_in_place;          // float32 K/V with contiguous, 8-aligned rows
+  bool kv_in_place;          // float32 K/V, contiguous rows of D % 8 == 0, not 2 KB apart
   bool bf16_dot;             // bf16 q/k, contiguous K rows, even D, avx512_bf16: K in place,
                              // scores from bf16 pairs (queries unscaled, scores scaled)
   float scale_log2;          // softmax scale * log2(e)
@@ -369,18 +371,29 @@ template <typename scalar_t>
 void run_varlen(const Problem<scalar_t>& pr, int64_t num_requests, int64_t num_kv_heads) {
   const int64_t tokens_per_item = std::max<int64_t>(1, kTargetRows / pr.group);
   std::vector<WorkItem> items;
+  std::vector<int64_t> lead(num_requests, 0);  // the cost of each request's longest item
   for (int64_t r = 0; r < num_requests; ++r) {
     const int64_t nq = pr.cu_q[r + 1] - pr.cu_q[r], nk = pr.nk[r];
-    for (int64_t t0 = 0; t0 < nq; t0 += tokens_per_item) {
-      const int64_t tn = std::min(tokens_per_item, nq - t0);
-      const int64_t p_lo = nk - nq + t0;
-      const KeyRange range = visible_keys(pr.causal, pr.window, nk, p_lo, p_lo + tn - 1);
-      const int64_t cost = tn * pr.group * (range.hi - range.lo + 8);
-      for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({r, h, t0, tn, cost});
+    const size_t first = items.size();
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      for (int64_t t0 = 0; t0 < nq; t0 += tokens_per_item) {
+        const int64_t tn = std::min(tokens_per_item, nq - t0);
+        const int64_t p_lo = nk - nq + t0;
+        const KeyRange range = visible_keys(pr.causal, pr.window, nk, p_lo, p_lo + tn - 1);
+        const int64_t cost = tn * pr.group * (range.hi - range.lo + 8);
+        items.push_back({r, h, t0, tn, cost});
+        lead[r] = std::max(lead[r], cost);
+      }
     }
+    // one KV head's items in a row, longest first: its K/V stay in cache (and TLB) for them
+    std::stable_sort(items.begin() + first, items.end(), [](const WorkItem& a, const WorkItem& b) {
+      return a.kv_head != b.kv_head ? a.kv_head < b.kv_head : a.cost > b.cost;
+    });
   }
-  std::stable_sort(items.begin(), items.end(),
-                   [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
+  // requests with the longest items first (the queue ends on short items)
+  std::stable_sort(items.begin(), items.end(), [&](const WorkItem& a, const WorkItem& b) {
+    return lead[a.request] > lead[b.request];
+  });
   const int64_t max_rows = tokens_per_item * pr.group;
   run_queue(static_cast<int64_t>(items.size()),
             [&] { return Scratch(max_rows, pr.head_size_padded); },
@@ -416,8 +429,13 @@ void launch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   pr.num_q_heads = q.size(1);
   pr.group = q.size(1) / k.size(1);
   pr.head_size = q.size(2);
+  // float32 K/V rows read in place unless they are a multiple of 2 KB apart (8 heads of 64):
+  // then a tile's rows share a few L1 sets, and copying the tile costs less than the conflict
+  // misses
+  const auto aliased = [](int64_t row_stride) { return row_stride % 512 == 0; };
   pr.kv_in_place = std::is_same<scalar_t, float>::value && k.stride(2) == 1 &&
-                   v.stride(2) == 1 && pr.head_size % kLanes == 0;
+                   v.stride(2) == 1 && pr.head_size % kLanes == 0 &&
+                   !aliased(k.stride(0)) && !aliased(v.stride(0));
   pr.bf16_dot = kHasBF16Dot && std::is_same<scalar_t, c10::BFloat16>::value &&
                 k.stride(2) == 1 && pr.head_size % 2 == 0;
   pr.head_size_padded = round_up(pr.head_size, kLanes);
