@@ -123,7 +123,8 @@ def _compile(name: str, sources: list[Path], verbose: bool = False) -> _OpNamesp
     stale lock; raises what the build raises."""
     clear_stale_lock(name)
     load(name=name, sources=[str(p) for p in sources], extra_include_paths=[str(CSRC_DIR)],
-         extra_cflags=list(_CFLAGS), extra_ldflags=list(_LDFLAGS), is_python_module=False, verbose=verbose)
+         extra_cflags=list(_CFLAGS), extra_ldflags=list(_LDFLAGS), is_python_module=False,
+         verbose=verbose)
     return torch.ops.cp_attention
 
 

@@ -9,11 +9,11 @@
 // Key tiles outside every row's causal / window range are skipped; only tiles that cross a
 // row's range boundary are masked. Each K/V tile is read once for the whole query group.
 // Float32 K/V rows are read in place (unless 2 KB apart: L1 set conflicts); other rows are
-// converted or copied tile by tile into a small float32 buffer (never the whole tensor). With bf16 q/k on a
-// CPU with avx512_bf16, S^T comes from bf16 dot products instead (vdpbf16ps: pairs of exact
-// products, float32 sums): K read in place, queries unscaled, scores scaled; P V stays
-// float32. Work items run request by request (longest requests first), each KV head's items in
-// a row, longest first (its K/V stay in cache), handed out dynamically to
+// converted or copied tile by tile into a small float32 buffer (never the whole tensor). With
+// bf16 q/k on a CPU with avx512_bf16, S^T comes from bf16 dot products instead (vdpbf16ps:
+// pairs of exact products, float32 sums): K read in place, queries unscaled, scores scaled;
+// P V stays float32. Work items run request by request (longest requests first), each KV
+// head's items in a row, longest first (its K/V stay in cache), handed out dynamically to
 // at::get_num_threads() threads. Vectors, exp2, the conversions, the softmax state and the work
 // queue are attention_common.h's.
 #include "varlen_attention.h"
