@@ -222,23 +222,24 @@ struct Problem {
 
 // Per-thread buffers, sized for the largest work item.
 struct Scratch {
-  std::vector<float> q_t;      // [Dp, Mp]  Q^T, scaled
-  std::vector<uint32_t> q_pairs;  // [Dp / 2, Mp]  Q^T as bf16 pairs, unscaled (bf16_dot)
+  std::vector<float> q_t;      // [Dp, Mp]  Q^T, scaled (not with bf16_dot)
+  std::vector<uint32_t> q_pairs;  // [Dp / 2, Mp]  Q^T as bf16 pairs, unscaled (bf16_dot only)
   std::vector<float> scores;   // [kBlockK, Mp]  S^T, then P^T
   std::vector<float> acc;      // [Mp, Dp]  unnormalized output rows
   std::vector<SoftmaxState> state;  // [Mp / 8] running max (log2 domain) and sum of 8 rows
   std::vector<float> rescale;  // [Mp] alpha of the current tile
   std::vector<float> q_pos;    // [Mp] key position of each query row
   std::vector<float> q_lo;     // [Mp] first visible key position (window) or very negative
-  std::vector<float> k_tile;   // [kBlockK, Dp]  converted keys (when not in place)
+  std::vector<float> k_tile;   // [kBlockK, Dp]  converted keys (not in place, not bf16_dot)
   std::vector<float> v_tile;   // [kBlockK, Dp]
-  Scratch(int64_t max_rows, int64_t dp)
-      : q_t(dp * round_up(max_rows, kLanes)), q_pairs(dp / 2 * round_up(max_rows, kLanes)),
+  Scratch(int64_t max_rows, int64_t dp, bool bf16_dot)
+      : q_t(bf16_dot ? 0 : dp * round_up(max_rows, kLanes)),
+        q_pairs(bf16_dot ? dp / 2 * round_up(max_rows, kLanes) : 0),
         scores(kBlockK * round_up(max_rows, kLanes)),
         acc(round_up(max_rows, kLanes) * dp), state(round_up(max_rows, kLanes) / kLanes),
         rescale(round_up(max_rows, kLanes)),
         q_pos(round_up(max_rows, kLanes)), q_lo(round_up(max_rows, kLanes)),
-        k_tile(kBlockK * dp, 0.0f), v_tile(kBlockK * dp, 0.0f) {}
+        k_tile(bf16_dot ? 0 : kBlockK * dp, 0.0f), v_tile(kBlockK * dp, 0.0f) {}
 };
 
 // Visible key range [lo, hi) of a tile of queries whose key positions are [p_lo, p_hi].
@@ -293,16 +294,15 @@ void attend_item(const Problem<scalar_t>& pr, const WorkItem& w, Scratch& s) {
       const scalar_t* src = pr.q + (q_begin + w.token_start + t) * pr.q_stride[0] +
                             (first_head + g) * pr.q_stride[1];
       const int64_t i = t * group + g;
-      if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-        if (pr.bf16_dot) {
+      if (pr.bf16_dot) {
+        if constexpr (std::is_same_v<scalar_t, c10::BFloat16>)
           for (int64_t p = 0; p < dim / 2; ++p)
             q_pairs[p * mp + i] = static_cast<uint32_t>(src[2 * p * pr.q_stride[2]].x) |
                                   static_cast<uint32_t>(src[(2 * p + 1) * pr.q_stride[2]].x) << 16;
-          continue;
-        }
+      } else {
+        for (int64_t d = 0; d < dim; ++d)
+          q_t[d * mp + i] = static_cast<float>(src[d * pr.q_stride[2]]) * pr.scale_log2;
       }
-      for (int64_t d = 0; d < dim; ++d)
-        q_t[d * mp + i] = static_cast<float>(src[d * pr.q_stride[2]]) * pr.scale_log2;
     }
   }
   for (int64_t i = 0; i < mp; ++i) {
@@ -338,12 +338,10 @@ void attend_item(const Problem<scalar_t>& pr, const WorkItem& w, Scratch& s) {
       k_ld = v_ld = dp;
     }
     // S^T [kn, mp] = K Q^T
-    if constexpr (kHasBF16Dot && std::is_same_v<scalar_t, c10::BFloat16>) {
-      if (pr.bf16_dot)
+    if (pr.bf16_dot) {
+      if constexpr (kHasBF16Dot && std::is_same_v<scalar_t, c10::BFloat16>)
         qk_gemm_bf16(kn, mp, k_src, pr.k_stride[0], q_pairs, s.scores.data(), dim / 2,
                      pr.scale_log2);
-      else
-        small_gemm<false>(kn, mp, k_rows, k_ld, 1, q_t, mp, s.scores.data(), mp, dp, nullptr);
     } else {
       small_gemm<false>(kn, mp, k_rows, k_ld, 1, q_t, mp, s.scores.data(), mp, dp, nullptr);
     }
@@ -374,7 +372,6 @@ void run_varlen(const Problem<scalar_t>& pr, int64_t num_requests, int64_t num_k
   std::vector<int64_t> lead(num_requests, 0);  // the cost of each request's longest item
   for (int64_t r = 0; r < num_requests; ++r) {
     const int64_t nq = pr.cu_q[r + 1] - pr.cu_q[r], nk = pr.nk[r];
-    const size_t first = items.size();
     for (int64_t h = 0; h < num_kv_heads; ++h) {
       for (int64_t t0 = 0; t0 < nq; t0 += tokens_per_item) {
         const int64_t tn = std::min(tokens_per_item, nq - t0);
@@ -385,18 +382,18 @@ void run_varlen(const Problem<scalar_t>& pr, int64_t num_requests, int64_t num_k
         lead[r] = std::max(lead[r], cost);
       }
     }
-    // one KV head's items in a row, longest first: its K/V stay in cache (and TLB) for them
-    std::stable_sort(items.begin() + first, items.end(), [](const WorkItem& a, const WorkItem& b) {
-      return a.kv_head != b.kv_head ? a.kv_head < b.kv_head : a.cost > b.cost;
-    });
   }
-  // requests with the longest items first (the queue ends on short items)
+  // Requests with the longest items first (the queue ends on short items), then one KV head's
+  // items in a row, longest first: the head's K/V stay in cache (and TLB) for them.
   std::stable_sort(items.begin(), items.end(), [&](const WorkItem& a, const WorkItem& b) {
-    return lead[a.request] > lead[b.request];
+    if (lead[a.request] != lead[b.request]) return lead[a.request] > lead[b.request];
+    if (a.request != b.request) return a.request < b.request;
+    if (a.kv_head != b.kv_head) return a.kv_head < b.kv_head;
+    return a.cost > b.cost;
   });
   const int64_t max_rows = tokens_per_item * pr.group;
   run_queue(static_cast<int64_t>(items.size()),
-            [&] { return Scratch(max_rows, pr.head_size_padded); },
+            [&] { return Scratch(max_rows, pr.head_size_padded, pr.bf16_dot); },
             [&](int64_t i, Scratch& s) { attend_item(pr, items[i], s); });
 }
 
@@ -429,10 +426,12 @@ void launch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   pr.num_q_heads = q.size(1);
   pr.group = q.size(1) / k.size(1);
   pr.head_size = q.size(2);
-  // float32 K/V rows read in place unless they are a multiple of 2 KB apart (8 heads of 64):
-  // then a tile's rows share a few L1 sets, and copying the tile costs less than the conflict
-  // misses
-  const auto aliased = [](int64_t row_stride) { return row_stride % 512 == 0; };
+  // float32 K/V rows read in place unless other heads lie between them and they are a multiple
+  // of 2 KB apart (8 heads of 64): then a tile's rows share a few L1 sets, and copying the
+  // tile costs less than the conflict misses
+  const auto aliased = [&](int64_t row_stride) {
+    return row_stride != pr.head_size && row_stride % 512 == 0;
+  };
   pr.kv_in_place = std::is_same<scalar_t, float>::value && k.stride(2) == 1 &&
                    v.stride(2) == 1 && pr.head_size % kLanes == 0 &&
                    !aliased(k.stride(0)) && !aliased(v.stride(0));
