@@ -189,6 +189,28 @@ def test_row_and_key_remainders(ops, group, d, dtype):
         check_against_oracle(out, lse, args[0], keys, values, q_lens, seq_lens, 0.2, *ranges)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_calls_of_other_shapes_in_between_change_nothing(ops, threads):
+    """Each worker thread keeps its scratch buffers between calls (grown, never cleared): a
+    call after larger and smaller ones (other head sizes, groups, dtypes, ranges) gives the
+    same bits as the first time, and the oracle's result."""
+    gen = torch.Generator().manual_seed(7)
+    cases = [paged_case([300, 37], [3, 1], 16, 2, group, d, dtype, True, torch.int32, gen)
+             for group, d, dtype in [(4, 64, torch.float32), (11, 256, torch.bfloat16),
+                                     (1, 12, torch.float32), (3, 128, torch.float16)]]
+    ranges = (torch.tensor([0, 5, 9, 0]), torch.tensor([300, 36, 37, 30]))
+    with Threads(threads):
+        first = ops.paged_attention(*cases[0][0], scale=0.2, kv_start=ranges[0],
+                                    kv_end=ranges[1])
+        for args, _, _ in cases[1:] + cases[:1] + cases[1:]:
+            ops.paged_attention(*args, scale=0.2)
+        again = ops.paged_attention(*cases[0][0], scale=0.2, kv_start=ranges[0],
+                                    kv_end=ranges[1])
+    assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+    check_against_oracle(*again, cases[0][0][0], *cases[0][1:], [3, 1], [300, 37], 0.2,
+                         *ranges)
+
+
 @pytest.mark.parametrize("group", [1, 3, 8])
 def test_float32_queries_on_a_bf16_cache(ops, group):
     """float32 queries over a bf16 cache take the widening path on every CPU (the bf16 dot

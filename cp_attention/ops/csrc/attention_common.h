@@ -265,7 +265,7 @@ void run_queue(int64_t n, const MakeState& make_state, const Work& work) {
   if (n <= 0) return;
   std::atomic<int64_t> next{0};
   const auto drain = [&] {
-    auto state = make_state();
+    decltype(auto) state = make_state();  // a value, or a reference to a thread's own
     for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) work(i, state);
   };
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), n);
