@@ -608,8 +608,8 @@ constexpr int key_lane(int k) { return (k / J) * kLanes + (k % J) * R + r; }
 
 // Row r's scores of 8 keys along the lanes from the kLanes / J blocks `d` of qk_dots<R, J>
 // (in-register shuffles: row vectors stored whole, so the softmax's vector loads are forwarded
-// from the stores instead of gathering 8 scalar stores each; with softmax_key_vecs 0.89-0.91x
-// the time of the 32/8-head decode with 1k keys, fp32 and bf16, 0.95-0.98x at 9/3, Zen 4).
+// from the stores instead of gathering 8 scalar stores each; with softmax_key_vecs, the 1k-key
+// decode at 32/8 heads takes 0.91-0.93x the time in bf16, 0.96-0.97x in fp32, Zen 4).
 template <int R, int r>
 CP_INLINE vf8 key_row(const vf8* d) {
   if constexpr (R == 1) {
