@@ -203,6 +203,10 @@ struct SoftmaxState {
   vf8 l = splat(0.0f);
 };
 
+// The max the probabilities are taken against: m, or 0 for rows with nothing visible yet
+// (m = -inf), so that -inf - -inf never reaches the exp.
+CP_INLINE vf8 softmax_ref(vf8 m) { return m == splat(kNegInf) ? splat(0.0f) : m; }
+
 // Folds a tile of n score vectors (scores + j * stride, one lane per row; -inf = masked) into
 // `state`. Overwrites them with the probabilities base^(score - m_new) and returns the factor
 // base^(m_old - m_new) by which each row's accumulator must be rescaled.
@@ -211,8 +215,7 @@ CP_INLINE vf8 softmax_tile(SoftmaxState& state, float* scores, int64_t stride, i
   vf8 tile_max = splat(kNegInf);
   for (int64_t j = 0; j < n; ++j) tile_max = vmax(tile_max, load8(scores + j * stride));
   const vf8 m_new = vmax(state.m, tile_max);
-  // Rows with nothing visible yet keep m = -inf; use 0 as the reference to avoid -inf - -inf.
-  const vf8 ref = m_new == splat(kNegInf) ? splat(0.0f) : m_new;
+  const vf8 ref = softmax_ref(m_new);  // rows with nothing visible yet keep m = -inf
   const vf8 alpha = pow_base<base>(state.m - ref);
   vf8 sum = splat(0.0f);
   for (int64_t j = 0; j < n; ++j) {

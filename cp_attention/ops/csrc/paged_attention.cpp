@@ -680,13 +680,13 @@ template <int R>
 CP_INLINE vf8 softmax_key_vecs(SoftmaxState& state, float* scores, int vecs) {
   const vi8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
   const vf8 m_old = state.m;
-  vf8 m_new = m_old, total = splat(0.0f);
+  vf8 m_new = m_old, ref_all = softmax_ref(m_old), total = splat(0.0f);
   for (int r = 0; r < R; ++r) {
     float* row = scores + r * kTileKeys;
     vf8 vm = load8(row);
     for (int v = 1; v < vecs; ++v) vm = vmax(vm, load8(row + v * kLanes));
     const vf8 m_row = vmax(splat(m_old[r]), all_lanes_max(vm));
-    const vf8 ref = m_row == splat(kNegInf) ? splat(0.0f) : m_row;  // -inf stays
+    const vf8 ref = softmax_ref(m_row);
     vf8 sum = splat(0.0f);
     for (int v = 0; v < vecs; ++v) {
       const vf8 p = pow_base<kBase>(load8(row + v * kLanes) - ref);
@@ -694,9 +694,10 @@ CP_INLINE vf8 softmax_key_vecs(SoftmaxState& state, float* scores, int vecs) {
       sum += p;
     }
     m_new = lane == r ? m_row : m_new;
+    ref_all = lane == r ? ref : ref_all;
     total = lane == r ? all_lanes_sum(sum) : total;
   }
-  const vf8 alpha = pow_base<kBase>(m_old - (m_new == splat(kNegInf) ? splat(0.0f) : m_new));
+  const vf8 alpha = pow_base<kBase>(m_old - ref_all);
   state.l = state.l * alpha + total;
   state.m = m_new;
   return alpha;
