@@ -107,9 +107,15 @@ class Problem:
         self.k = torch.randn(b * n, hkv, d, generator=gen).to(dtype)
         self.v = torch.randn(b * n, hkv, d, generator=gen).to(dtype)
         blocks_per_req = -(-n // BLOCK_SIZE)
-        num_blocks = b * blocks_per_req
-        order = torch.arange(num_blocks) if sequential else torch.randperm(num_blocks,
-                                                                               generator=gen)
+        used_blocks = b * blocks_per_req
+        # Block 0 is never handed out, as vLLM reserves its null block: every cache holds one
+        # block more than the requests use. Without it, a cache of a power-of-two number of
+        # blocks puts our layout's K and V halves a power of two apart (B=4 x 64k keys, 8 KV
+        # heads of 64 in bf16: 2^28 bytes), and that decode ran 2.3-2.4x slower on Zen 4
+        # (DRAM address aliasing; docs/performance.md section 12).
+        num_blocks = used_blocks + 1
+        order = (torch.arange(used_blocks) if sequential
+                 else torch.randperm(used_blocks, generator=gen)) + 1
         self.block_table = order.view(b, blocks_per_req)
         self.block_table = self.block_table.to(torch.int32)
         pos = torch.arange(n)
