@@ -147,13 +147,15 @@ def test_long_context_split_over_threads(ops, threads, dtype):
 
 
 @pytest.mark.parametrize("threads", [1, 3])
-@pytest.mark.parametrize("hkv,group,q_len", [(3, 4, 1), (5, 1, 64), (8, 4, 16), (6, 3, 30)])
+@pytest.mark.parametrize("hkv,group,q_len", [(3, 4, 1), (5, 1, 64), (8, 4, 16), (6, 3, 30),
+                                           (8, 1, 1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_interleaved_heads_cache(ops, threads, hkv, group, q_len, dtype):
     """The [blocks, block_size, Hkv, D] cache (heads interleaved in a slot) is read several
     KV heads per work item: item head counts that do not divide Hkv (5 heads as 4 + 1, 6 as
-    4 + 2), lane groups of 1-4 rows (16-bit K/V widened in place) and of 8 (staged), key ranges
-    split over threads and partial ranges, each against the float64 oracle."""
+    4 + 2), lane groups of 1-4 rows (16-bit K/V widened in place) and of 8 (staged), items of
+    one row per KV head (MHA decode: the next tile prefetched head by head), key ranges split
+    over threads and partial ranges, each against the float64 oracle."""
     gen = torch.Generator().manual_seed(hkv * 1000 + group * 10 + q_len)
     seq_lens, q_lens = [1500, 0, 37, 300], [q_len, 1, 2, q_len]
     args, keys, values = paged_case(seq_lens, q_lens, 32, hkv, group, 64, dtype, False,
