@@ -44,7 +44,6 @@ import argparse
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -53,6 +52,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import REPO_ROOT, new_figure, save_figure, series_colors, write_json
+from benchmarks.engine_process import EngineFailed, EngineProcess, engine_env, run_alarm
 
 sys.path.insert(0, str(REPO_ROOT / "tests" / "vllm_e2e"))
 from real_model import chat_ids, chat_tokenizer, prepare, ship_log  # noqa: E402
@@ -137,81 +137,21 @@ def _binding(pcp: int, cpus: list[int]) -> str:
     return "|".join(",".join(map(str, g)) for g in groups)
 
 
-class Engine:
-    """One configuration's engine subprocess (own process group), driven line by line."""
-
-    def __init__(self, name: str, dtype: str, model: Path, log_dir: Path) -> None:
-        plugin, pcp, dcp, cpu_limit = CONFIGS[name]
-        cpus = _engine_cpus(cpu_limit)
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("CP_ATTENTION_VLLM", "VLLM_"))}
-        env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-                    "VLLM_CPU_OMP_THREADS_BIND": _binding(pcp, cpus),
-                    "PYTHONUNBUFFERED": "1",
-                    "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
-                    .rstrip(os.pathsep)})
-        if plugin:
-            env["CP_ATTENTION_VLLM"] = "1"
-        self.name, self.dtype = name, dtype
-        self.log_path = log_dir / f"{name}_{dtype}.log"
-        self._log = open(self.log_path, "w")
-        cmd = [sys.executable, "-m", "benchmarks.bench_vllm_real", "--engine", str(model),
-               "--pcp", str(pcp), "--dcp", str(dcp), "--dtypes", dtype]
-        # the affinity is inherited by every thread and worker process of the engine
-        self.proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self._log, text=True,
-                                     start_new_session=True,
-                                     preexec_fn=lambda: os.sched_setaffinity(0, cpus))
-        start = time.time()
-        self._read_until(READY, START_TIMEOUT_S)
-        self.startup_s = time.time() - start
-
-    def _read_until(self, prefix: str, timeout_s: float) -> str:
-        deadline = time.time() + timeout_s
-        for line in self.proc.stdout:  # blocking; bounded by the run's alarm
-            if line.startswith(prefix):
-                return line
-            self._log.write(line)
-            if time.time() > deadline:
-                break
-        self.close()
-        raise EngineFailed(self.name, self.dtype, self.log_path.read_text(errors="replace"))
-
-    def run(self, workload: str, seed: int, sizes: dict) -> dict:
-        self.proc.stdin.write(f"{workload} {seed} {json.dumps(sizes)}\n")
-        self.proc.stdin.flush()
-        return json.loads(self._read_until(RESULT, REQUEST_TIMEOUT_S)[len(RESULT):])
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.close()
-                self.proc.wait(timeout=60)
-            except (OSError, subprocess.TimeoutExpired):
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # workers of the mp executor included
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
-        self._log.close()
+def start_engine(name: str, dtype: str, model: Path, log_dir: Path) -> EngineProcess:
+    """Configuration ``name``'s engine for ``dtype``, started (raises EngineFailed)."""
+    plugin, pcp, dcp, cpu_limit = CONFIGS[name]
+    cpus = _engine_cpus(cpu_limit)
+    env = engine_env(VLLM_CPU_OMP_THREADS_BIND=_binding(pcp, cpus),
+                     **({"CP_ATTENTION_VLLM": "1"} if plugin else {}))
+    cmd = [sys.executable, "-m", "benchmarks.bench_vllm_real", "--engine", str(model),
+           "--pcp", str(pcp), "--dcp", str(dcp), "--dtypes", dtype]
+    return EngineProcess(f"{name} {dtype}", cmd, env, log_dir / f"{name}_{dtype}.log",
+                         ready=READY, result=RESULT, start_timeout_s=START_TIMEOUT_S,
+                         request_timeout_s=REQUEST_TIMEOUT_S, cpus=cpus)
 
 
-class EngineFailed(RuntimeError):
-    def __init__(self, name: str, dtype: str, log: str) -> None:
-        lines = log.splitlines()  # the last error line, or the line after a pydantic header
-        at = max((i for i, ln in enumerate(lines) if "Error:" in ln), default=None)
-        if at is not None and "validation error" in lines[at] and at + 1 < len(lines):
-            at += 1
-        self.reason = lines[at].strip() if at is not None else log[-500:]
-        super().__init__(f"{name} {dtype}: engine failed: {self.reason}\nlog tail:\n{log[-3000:]}")
-
-
-def _alarm(seconds: int) -> None:
-    def _raise(signum, frame):
-        raise TimeoutError(f"{NAME}: exceeded {seconds} s")
-    signal.signal(signal.SIGALRM, _raise)
-    signal.alarm(seconds)
+def _request(engine: EngineProcess, workload: str, seed: int, sizes: dict) -> dict:
+    return engine.request(f"{workload} {seed} {json.dumps(sizes)}")
 
 
 def run(out_dir: str | Path, quick: bool = False, configs: list[str] | None = None,
@@ -223,7 +163,7 @@ def run(out_dir: str | Path, quick: bool = False, configs: list[str] | None = No
     model = prepare()
     log_dir = Path(out_dir) / f"{NAME}_logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    _alarm(4 * 3600)
+    run_alarm(NAME, 4 * 3600)
     rows, refused = [], {}
     try:
         for dtype in dtypes:
@@ -243,24 +183,24 @@ def run(out_dir: str | Path, quick: bool = False, configs: list[str] | None = No
 
 def _run_dtype(dtype: str, configs: list[str], model: Path, sizes: dict, log_dir: Path,
                refused: dict) -> list[dict]:
-    engines: dict[str, Engine] = {}
+    engines: dict[str, EngineProcess] = {}
     samples: dict[str, dict[str, list[dict]]] = {}
     try:
         for name in configs:  # one at a time: start-ups never overlap
             try:
-                engines[name] = Engine(name, dtype, model, log_dir)
+                engines[name] = start_engine(name, dtype, model, log_dir)
             except EngineFailed as err:
                 refused[f"{name}/{dtype}"] = err.reason
                 print(f"{name} {dtype}: refused: {err.reason}", flush=True)
                 continue
             print(f"{name} {dtype}: engine ready in {engines[name].startup_s:.0f} s", flush=True)
-            engines[name].run("batch", 0, {**sizes, "batch": 1})  # warm-up, untimed
+            _request(engines[name], "batch", 0, {**sizes, "batch": 1})  # warm-up, untimed
             samples[name] = {"long": [], "batch": []}
         live = list(engines)
         for rep in range(sizes["repeats"]):
             for workload in ("long", "batch"):
                 for name in (live if rep % 2 == 0 else live[::-1]):
-                    r = engines[name].run(workload, 1 + rep, sizes)  # same prompts per config
+                    r = _request(engines[name], workload, 1 + rep, sizes)  # same prompts
                     samples[name][workload].append(r)
                     print(f"  {dtype} rep {rep} {workload:>5} {name:>13}: "
                           + _summary(workload, r), flush=True)

@@ -28,11 +28,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,6 +40,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import REPO_ROOT, human_tokens, new_figure, save_figure, write_json
+from benchmarks.engine_process import EngineProcess, engine_env, run_alarm
 
 NAME = "bench_vllm_ttft"
 MODEL_SHAPE = {"num_hidden_layers": 2, "hidden_size": 256, "num_attention_heads": 8,
@@ -91,68 +90,18 @@ def engine_main(model: str, pcp: int, max_len: int) -> None:
 
 
 # -- driver side ------------------------------------------------------------------------------
-class Engine:
-    """One configuration's engine subprocess (own process group), driven line by line."""
-
-    def __init__(self, name: str, model: Path, max_len: int, log_dir: Path) -> None:
-        extra_env, pcp = CONFIGS[name]
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("CP_ATTENTION_VLLM", "VLLM_"))}
-        env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-                    "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(
-                        [str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)},
-                   **extra_env)
-        self.name = name
-        self.log_path = log_dir / f"{name}.log"
-        self._log = open(self.log_path, "w")
-        cmd = [sys.executable, "-m", "benchmarks.bench_vllm_ttft", "--engine", str(model),
-               "--pcp", str(pcp), "--max-len", str(max_len)]
-        self.proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self._log, text=True,
-                                     start_new_session=True)
-        start = time.time()
-        self._read_until(READY, START_TIMEOUT_S)
-        self.startup_s = time.time() - start
-
-    def _read_until(self, prefix: str, timeout_s: float) -> str:
-        deadline = time.time() + timeout_s
-        for line in self.proc.stdout:  # blocking; bounded by the run's alarm (_alarm)
-            if line.startswith(prefix):
-                return line
-            self._log.write(line)  # vLLM logs to stdout
-            if time.time() > deadline:
-                break
-        self.close()
-        tail = self.log_path.read_text(errors="replace")[-3000:]
-        raise RuntimeError(f"{self.name}: no '{prefix.strip()}' line (rc {self.proc.returncode});"
-                           f" log {self.log_path} tail:\n{tail}")
-
-    def ttft(self, tokens: int, seed: int) -> dict:
-        self.proc.stdin.write(f"{tokens} {seed}\n")
-        self.proc.stdin.flush()
-        return json.loads(self._read_until(RESULT, REQUEST_TIMEOUT_S)[len(RESULT):])
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.close()
-                self.proc.wait(timeout=60)
-            except (OSError, subprocess.TimeoutExpired):
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # workers of the mp executor included
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
-        self._log.close()
+def start_engine(name: str, model: Path, max_len: int, log_dir: Path) -> EngineProcess:
+    """Configuration ``name``'s engine, started."""
+    extra_env, pcp = CONFIGS[name]
+    cmd = [sys.executable, "-m", "benchmarks.bench_vllm_ttft", "--engine", str(model),
+           "--pcp", str(pcp), "--max-len", str(max_len)]
+    return EngineProcess(name, cmd, engine_env(**extra_env), log_dir / f"{name}.log",
+                         ready=READY, result=RESULT, start_timeout_s=START_TIMEOUT_S,
+                         request_timeout_s=REQUEST_TIMEOUT_S)
 
 
-def _alarm(seconds: int) -> None:
-    """A hard bound on the whole run (a hung engine must not hang the benchmark)."""
-    def _raise(signum, frame):
-        raise TimeoutError(f"{NAME}: exceeded {seconds} s")
-    signal.signal(signal.SIGALRM, _raise)
-    signal.alarm(seconds)
+def _ttft(engine: EngineProcess, tokens: int, seed: int) -> dict:
+    return engine.request(f"{tokens} {seed}")
 
 
 def run(out_dir: str | Path, quick: bool = False, configs: list[str] | None = None,
@@ -164,23 +113,23 @@ def run(out_dir: str | Path, quick: bool = False, configs: list[str] | None = No
     sys.path.insert(0, str(REPO_ROOT / "tests" / "vllm_e2e"))
     from tiny_model import make_tiny_llama
 
-    _alarm(7200)
+    run_alarm(NAME, 7200)
     samples: dict[str, dict[int, list[dict]]] = {c: {n: [] for n in lengths} for c in configs}
-    engines: dict[str, Engine] = {}
+    engines: dict[str, EngineProcess] = {}
     with tempfile.TemporaryDirectory(prefix="ttft_") as tmp:
         model = make_tiny_llama(Path(tmp) / "model", seed=7, **MODEL_SHAPE)
         try:
             for name in configs:  # one at a time: start-ups never overlap
-                engines[name] = Engine(name, model, max(lengths), Path(tmp))
+                engines[name] = start_engine(name, model, max(lengths), Path(tmp))
                 print(f"{name}: engine ready in {engines[name].startup_s:.0f} s", flush=True)
             seed = 0
             for name in configs:  # one untimed warm-up request each (the shortest length)
-                engines[name].ttft(lengths[0], seed := seed + 1)
+                _ttft(engines[name], lengths[0], seed := seed + 1)
             for rep in range(repeats):
                 for n in lengths:
                     order = configs if rep % 2 == 0 else configs[::-1]
                     for name in order:
-                        r = engines[name].ttft(n, seed := seed + 1)
+                        r = _ttft(engines[name], n, seed := seed + 1)
                         samples[name][n].append(r)
                         print(f"  rep {rep} {human_tokens(n):>4} {name:>14}: "
                               f"TTFT {r['ttft_s']:.2f} s", flush=True)

@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 
 import pytest
 from matplotlib.colors import to_rgba
 
 from benchmarks import (bench_comm, bench_cost_model, bench_cpu_ops, bench_forward_checks,
                         bench_load_balance, bench_metadata, bench_op_overhead, bench_speed)
+from benchmarks.engine_process import EngineFailed, EngineProcess, engine_env
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -155,3 +157,42 @@ def test_cpu_ops_matrix(out):
             assert r["ours_ms"] == max(r["ours_packed_ms"], r["ours_own_layout_ms"])
     table = bench_cpu_ops.matrix_markdown(data)
     assert "Worst rows" in table and table.count("\n| ") >= 3
+
+
+_ECHO_ENGINE = """
+import json, sys
+print("log line before ready")
+print("READY", flush=True)
+for line in sys.stdin:
+    if line.strip() == "fail":
+        raise ValueError("1 validation error for ModelConfig\\n  Value error, no such config")
+    print("RESULT " + json.dumps({"echo": line.strip()}), flush=True)
+"""
+
+
+def test_engine_process_requests_logs_and_failures(tmp_path):
+    """The vLLM benchmarks' engine driver: a ready line, one JSON result per request line,
+    everything else in the log; an engine that dies gives EngineFailed with its last error line
+    (the line after a pydantic header) and leaves no process."""
+    engine = EngineProcess("echo", [sys.executable, "-c", _ECHO_ENGINE], engine_env(),
+                           tmp_path / "echo.log", ready="READY", result="RESULT ",
+                           start_timeout_s=60, request_timeout_s=60)
+    assert engine.request("a b") == {"echo": "a b"}
+    assert engine.request("c") == {"echo": "c"}
+    with pytest.raises(EngineFailed) as failed:
+        engine.request("fail")
+    assert failed.value.reason == "Value error, no such config"
+    assert engine.proc.poll() is not None
+    assert "log line before ready" in (tmp_path / "echo.log").read_text()
+    with pytest.raises(EngineFailed):
+        EngineProcess("dead", [sys.executable, "-c", "import sys; sys.exit(3)"], engine_env(),
+                      tmp_path / "dead.log", ready="READY", result="RESULT ",
+                      start_timeout_s=60, request_timeout_s=60)
+
+
+def test_engine_env_drops_the_callers_vllm_settings(monkeypatch):
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "40")
+    monkeypatch.setenv("CP_ATTENTION_VLLM_SHM", "0")
+    env = engine_env(CP_ATTENTION_VLLM="1")
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and "CP_ATTENTION_VLLM_SHM" not in env
+    assert env["CP_ATTENTION_VLLM"] == "1" and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
