@@ -315,6 +315,7 @@ def _plot(payload: dict, out_dir: str | Path) -> None:
 
 # -- the shape matrix (issue 18) -------------------------------------------------------------
 MATRIX_NAME = "bench_cpu_matrix"
+GOAL_OVER_VLLM = 0.8  # issue 18: ours <= 0.8x the time of vLLM's kernel on every row
 HEAD_SHAPES = [(8, 1), (8, 8), (9, 3), (32, 8)]
 
 
@@ -488,6 +489,32 @@ def _plot_matrix(payload: dict, out_dir: str | Path) -> None:
     save_figure(fig, out_dir, MATRIX_NAME)
 
 
+def row_flops(row: dict) -> float:
+    """The arithmetic of a matrix row: QK and PV, 2 flops per multiply-add (decode: one query
+    token per request over its context; prefill: the causal lower triangle)."""
+    per_key = 4.0 * row["batch"] * row["q_heads"] * row["head_size"]
+    n = row["context"]
+    return per_key * (n if row["kind"] == "decode" else n * (n + 1) / 2)
+
+
+def gflops_for_goal(row: dict, goal: float = GOAL_OVER_VLLM) -> float:
+    """The rate (GFLOP/s) a kernel must sustain on a row to take ``goal`` x vLLM's time."""
+    return row_flops(row) / (goal * row["vllm_ms"] / 1e3) / 1e9
+
+
+def fastest_gflops(payload: dict) -> dict[str, float]:
+    """Per dtype, the highest rate any implementation reached on any row of the run (or the
+    fp32 matmul rate, if higher): what this CPU was shown to sustain, the yardstick of
+    :func:`gflops_for_goal` (a row that needs more cannot be won by any kernel here)."""
+    best: dict[str, float] = {}
+    for r in payload["rows"]:
+        fastest_ms = min(r[k] for k in ("vllm_ms", "ours_packed_ms", "ours_own_layout_ms",
+                                        "ours_ms", "sdpa_ms") if k in r)
+        rate = row_flops(r) / (fastest_ms / 1e3) / 1e9
+        best[r["dtype"]] = max(best.get(r["dtype"], payload["matmul_gflops"]), rate)
+    return best
+
+
 def matrix_markdown(payload: dict) -> str:
     """docs/performance.md tables of a matrix run: decode ours/vLLM per (heads, D, dtype) x
     (B, context) as "random / sequential blocks", prefill ours/vLLM and ours/SDPA per S, then
@@ -538,6 +565,17 @@ def matrix_markdown(payload: dict) -> str:
               f"{worst(prefill, 'ours_over_sdpa')}; decode fraction of roof "
               f"{worst(decode, 'ours_fraction_of_roof', high=False)}. "
               f"{len(payload['skipped'])} rows skipped (sizes in the JSON)."]
+    if payload["vllm_available"]:
+        missed = [r for r in rows if r["ours_over_vllm"] > GOAL_OVER_VLLM]
+        fastest = fastest_gflops(payload)
+        need = [gflops_for_goal(r) / fastest[r["dtype"]] for r in missed]
+        lines.append(
+            f"Rows above {GOAL_OVER_VLLM}x vLLM: {len(missed)}; to reach it, "
+            f"{sum(f > 1 for f in need)} need a higher rate than any kernel reached in this run "
+            f"on a row of their dtype (" + ", ".join(f"{d} {g:.1f}" for d, g in
+                                                    sorted(fastest.items())) +
+            f" GFLOP/s), {sum(f > 0.85 for f in need)} more than 85 % of it, "
+            f"{sum(f > 0.7 for f in need)} more than 70 % (gflops_for_goal).")
     return "\n".join(lines)
 
 

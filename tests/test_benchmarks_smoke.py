@@ -159,6 +159,31 @@ def test_cpu_ops_matrix(out):
     assert "Worst rows" in table and table.count("\n| ") >= 3
 
 
+def test_matrix_goal_rates():
+    """The rate each row needs for 0.8x vLLM's time, against the fastest rate of the run: a
+    decode of B=2, 8 heads of 64 over 1000 keys is 4 * 2 * 8 * 64 * 1000 flops; a causal
+    prefill of 4 tokens covers 10 query-key pairs."""
+    decode = {"kind": "decode", "batch": 2, "q_heads": 8, "head_size": 64, "context": 1000,
+              "dtype": "float32", "vllm_ms": 0.1, "ours_packed_ms": 0.2,
+              "ours_own_layout_ms": 0.25, "ours_ms": 0.25, "sdpa_ms": 1.0,
+              "ours_over_vllm": 2.5, "kv_heads": 8, "sequential_blocks": False,
+              "ours_over_sdpa": 0.25, "ours_fraction_of_roof": 0.5}
+    prefill = {"kind": "prefill", "batch": 1, "q_heads": 1, "head_size": 1, "context": 4,
+               "dtype": "float32", "vllm_ms": 1e-6, "ours_ms": 2e-6, "sdpa_ms": 3e-6,
+               "ours_over_vllm": 2.0, "kv_heads": 1, "ours_over_sdpa": 0.67,
+               "ours_fraction_of_roof": 0.5}
+    assert bench_cpu_ops.row_flops(decode) == 4 * 2 * 8 * 64 * 1000
+    assert bench_cpu_ops.row_flops(prefill) == 4 * 10
+    assert bench_cpu_ops.gflops_for_goal(decode) == pytest.approx(4096000 / 0.08e-3 / 1e9)
+    payload = {"rows": [decode, prefill], "matmul_gflops": 10.0, "vllm_available": True,
+               "skipped": []}
+    # fastest: the decode's vLLM call, 4.096 MFLOP in 0.1 ms = 40.96 GFLOP/s (> the matmul)
+    assert bench_cpu_ops.fastest_gflops(payload) == {"float32": pytest.approx(40.96)}
+    # decode needs 51.2 GFLOP/s (1.25x the fastest); the prefill 50 (1.22x)
+    assert "Rows above 0.8x vLLM: 2; to reach it, 2 need a higher rate" in \
+        bench_cpu_ops.matrix_markdown(payload)
+
+
 _ECHO_ENGINE = """
 import json, sys
 print("log line before ready")
