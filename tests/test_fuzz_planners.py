@@ -95,7 +95,7 @@ def test_single_prefill_edges(pcp: int, tokens: int, kv_shard: str) -> None:
 
 def test_invariant_checker_catches_a_corrupted_plan() -> None:
     """The checker can fail: one slot moved, one token dropped, a broken restore index, a pad
-    mask that lost its pads."""
+    mask that lost its pads, chunk boundaries of the diagonals' call one row off."""
     config = CPConfig(pcp_size=2, dcp_size=2, tp_size=2, block_size=4)
     step, num_blocks = make_step(config, [(5, 1), (0, 13), (9, 6)], 0, 0)
 
@@ -124,8 +124,12 @@ def test_invariant_checker_catches_a_corrupted_plan() -> None:
         restore = metas[(0, 0)].pcp_allgather_restore_idx
         restore[[0, 1]] = restore[[1, 0]]
 
+    def shift_chunk_boundary(metas):
+        metas[(0, 0)].local_chunk_cu_seqlens[1] += 1
+
     for mutate, fragment in ((move_slot, "has slot"), (drop_token, "computed on 0 rows"),
                              (break_restore, "inverse of the restore index"),
-                             (forget_pad, "pad_rows disagrees")):
+                             (forget_pad, "pad_rows disagrees"),
+                             (shift_chunk_boundary, "local_chunk_cu_seqlens")):
         with pytest.raises(StepError, match=fragment):
             validate_rank_plans(step, config, corrupted(mutate))

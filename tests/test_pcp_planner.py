@@ -241,7 +241,7 @@ def test_prefill_free_step_has_empty_split(pcp):
         meta = metas[(rank, 0)]
         assert lst(meta.local_token_idx) == [0, 1, 2]
         assert lst(meta.positions) == [5, 17, 1]
-        assert meta.num_local_prefill_rows == 0 and len(meta.q_full_idx) == 0
+        assert meta.num_local_prefill_rows == 0 and meta.chunk_q_idx.numel() == 0
         assert len(meta.pcp_allgather_restore_idx) == 0
 
 
@@ -430,7 +430,7 @@ def test_split_indices_in_range_and_offsets_match_lengths(new_lens, pcp, data):
     split = ascend(plan)
     chunks = np.array([-(-n // (2 * pcp)) for n in new_lens], dtype=np.int64)
     local, restored = 2 * int(chunks.sum()), 2 * pcp * int(chunks.sum())
-    assert len(plan.q_full_idx) == local
+    assert len(split.q_full_idx) == local
     for name in ("q_head_idx", "q_tail_idx", "q_full_idx"):
         idx = getattr(split, name).numpy()
         assert idx.dtype == np.int64 and ((0 <= idx) & (idx < local)).all(), name
@@ -455,6 +455,15 @@ def test_split_indices_in_range_and_offsets_match_lengths(new_lens, pcp, data):
             slot])) == chunk * int(chunks.sum())
     assert torch.equal(plan.chunk_q_idx[0], split.q_head_idx)
     assert torch.equal(plan.chunk_q_idx[1], split.q_tail_idx)
+    # The diagonals' one call: its sequences are the head and tail chunks of each prefill in
+    # turn, exactly the rows q_head_idx / q_tail_idx pick.
+    local_cu = plan.local_chunk_cu_seqlens.numpy()
+    assert local_cu[0] == 0 and local_cu[-1] == local and len(local_cu) == 2 * len(new_lens) + 1
+    pieces = [np.arange(a, b) for a, b in zip(local_cu[:-1], local_cu[1:])]
+    assert np.array_equal(np.concatenate([np.zeros(0, np.int64)] + pieces[0::2]),
+                          split.q_head_idx.numpy())
+    assert np.array_equal(np.concatenate([np.zeros(0, np.int64)] + pieces[1::2]),
+                          split.q_tail_idx.numpy())
     # Bookkeeping rows agree with the index tensors.
     restored_req, restored_pos = plan.pcp_partition.restored_rows(plan.chunk_lens)
     order = restored_req * (1 << 32) + restored_pos

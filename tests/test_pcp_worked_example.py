@@ -73,6 +73,8 @@ def _meta(rank: int, kv_shard: str = "cp"):
 def test_split_indices(rank):
     split = _meta(rank)
     assert split.chunk_lens.tolist() == [2, 2]
+    # local rows: request 0's head and tail chunk, then request 1's (the diagonals' one call)
+    assert split.local_chunk_cu_seqlens.tolist() == [0, 2, 4, 6, 8]
     view = VllmAscendView(_meta(rank))
     for name, expected in EXPECTED[rank].items():
         assert getattr(view, name).tolist() == expected, name

@@ -62,7 +62,7 @@ def gather_context_queries(comm: Communicator, query: torch.Tensor, meta: Attent
         nd = meta.num_decode_tokens
         gathered = comm.all_gather(query[nd:], pcp_group)
         restore = meta.pcp_allgather_restore_idx.to(query.device)
-        query = torch.cat([query[:nd], gathered[restore]])
+        query = torch.cat([query[:nd], gathered.index_select(0, restore)])
     return comm.all_gather(query, dcp_group, dim=1)
 
 
@@ -113,7 +113,7 @@ def combine_pcp_a2a(ops: AttentionOps, comm: Communicator, out: torch.Tensor,
     if not meta.num_local_prefill_rows:  # the same on every rank (equal chunks)
         received = comm.all_gather(packed, pcp_group).view(pcp, *packed.shape)
         return merge_partials(ops, received[..., :-1], received[..., -1])
-    prefill = packed[nd:][meta.pcp_allgather_scatter_idx.to(out.device)]
+    prefill = packed[nd:].index_select(0, meta.pcp_allgather_scatter_idx.to(out.device))
     prefill = prefill.view(pcp, -1, *packed.shape[1:])
     send = torch.cat([packed[:nd].unsqueeze(0).expand(pcp, *packed[:nd].shape), prefill], dim=1)
     received = comm.all_to_all(send, pcp_group)

@@ -32,21 +32,20 @@ def self_attention(ops: AttentionOps, comm: Communicator, q: torch.Tensor, k: to
         return _causal(ops, q, k, v, meta.decode_cu_seqlens, scale, window), (k, v)
     dec = _causal(ops, q[:nd], k[:nd], v[:nd], meta.decode_cu_seqlens, scale, window) if nd else None
     q_pre, k_pre, v_pre = q[nd:], k[nd:], v[nd:]
-    diagonals, rows = None, meta.chunk_q_idx.to(q.device) if gather else None  # [m, sum c]
-    if gather and causal and window is None:  # the chunks' diagonals while the gather flies
-        cu_q = meta.chunk_cu_seqlens
-        diagonals = [ops.varlen_attention(q_pre[r], k_pre[r], v_pre[r], cu_q, cu_q, scale=scale,
-                                          causal=True) for r in rows]
+    diagonal = None
+    if gather and causal and window is None:  # every chunk's diagonal while the gather flies:
+        cu = meta.local_chunk_cu_seqlens        # one causal call over the local rows in place
+        diagonal = ops.varlen_attention(q_pre, k_pre, v_pre, cu, cu, scale=scale, causal=True)
     step_k, step_v = k, v
     if gather:  # restore the gathered rows in request order
         if work is not None:
             work.wait()
-        kv = gathered[meta.pcp_allgather_restore_idx.to(k.device)]
+        kv = gathered.index_select(0, meta.pcp_allgather_restore_idx.to(k.device))
         step_k, step_v = ((torch.cat([k[:nd], kv[:, 0]]), torch.cat([v[:nd], kv[:, 1]]))
                           if nd else (kv[:, 0], kv[:, 1]))  # prefill-only: no copy
     if gather and causal:
-        pre = pcp_prefill_attention(ops, q_pre, step_k[nd:], step_v[nd:], meta, rows,
-                                    diagonals, scale, window)
+        pre = pcp_prefill_attention(ops, q_pre, step_k[nd:], step_v[nd:], meta, diagonal,
+                                    scale, window)
     elif causal:
         pre = _causal(ops, q_pre, k_pre, v_pre, meta.prefill_cu_seqlens, scale, window)
     else:  # encoder-only: over the real tokens of each prefill
@@ -64,32 +63,37 @@ def _causal(ops: AttentionOps, q, k, v, cu_seqlens, scale: float, window: int | 
 
 
 def pcp_prefill_attention(ops: AttentionOps, q_pre: torch.Tensor, k_pre: torch.Tensor,
-                          v_pre: torch.Tensor, meta: AttentionMetadata, rows: torch.Tensor,
-                          diagonals: list | None, scale: float, window: int | None) -> Partial:
+                          v_pre: torch.Tensor, meta: AttentionMetadata,
+                          diagonal: Partial | None, scale: float, window: int | None) -> Partial:
     """Local prefill rows q_pre [Lp, Hq, D] over each prefill's tokens up to their own;
-    k_pre, v_pre: the restored prefill rows; rows: ``meta.chunk_q_idx`` on the device;
-    ``diagonals``: each chunk's causal part on local rows (None with a sliding window).
-    Returns out [Lp, Hq, D], lse [Lp, Hq] in local order."""
+    k_pre, v_pre: the restored prefill rows; ``diagonal``: every chunk's causal part, on the
+    local rows (None with a sliding window). Returns out [Lp, Hq, D], lse [Lp, Hq] in local
+    order: each chunk's rows over the keys before it, written to their local rows, merged
+    with the diagonal."""
     cu_q = meta.chunk_cu_seqlens
     restored_cu = cu_q * meta.pcp_partition.num_chunks  # each prefill's restored (padded) rows
-    outs, lses = zip(*(chunk_attention(ops, q_pre[r], k_pre, v_pre, cu_q, restored_cu, before,
-                                       None if diagonals is None else diagonals[j], scale, window)
-                       for j, (r, before) in enumerate(zip(rows, meta.chunk_keys_before))))
-    local_order = meta.q_full_idx.to(q_pre.device)  # [chunk rows...] -> local rows
-    return torch.cat(outs)[local_order], torch.cat(lses)[local_order]
+    out = lse = None
+    for rows, before in zip(meta.chunk_q_idx.to(q_pre.device), meta.chunk_keys_before):
+        part_out, part_lse = chunk_attention(ops, q_pre.index_select(0, rows), k_pre, v_pre,
+                                             cu_q, restored_cu, before, scale, window)
+        if out is None:  # [Lp, ...] every chunk's rows in local order
+            out = part_out.new_empty((q_pre.shape[0],) + part_out.shape[1:])
+            lse = part_lse.new_empty((q_pre.shape[0],) + part_lse.shape[1:])
+        out.index_copy_(0, rows, part_out)
+        lse.index_copy_(0, rows, part_lse)
+    return (out, lse) if diagonal is None else ops.merge_attn_states(out, lse, *diagonal)
 
 
 def chunk_attention(ops: AttentionOps, q_part, k_pre, v_pre, cu_q, restored_cu, keys_before,
-                    diagonal, scale: float, window: int | None) -> Partial:
+                    scale: float, window: int | None) -> Partial:
     """Attention of one chunk's queries ``q_part`` over the restored prefill K/V
-    (``restored_cu``: each prefill's rows): the ``keys_before`` ([P], ``k c``) keys before it
-    merged with its ``diagonal``, or with a sliding window one bottom-right causal call over
-    both (``(k + 1) c`` keys). Both read a prefix of each prefill's restored rows in place
-    (``seqused_k``)."""
+    (``restored_cu``: each prefill's rows): over the ``keys_before`` ([P], ``k c``) keys
+    before it (its diagonal is merged in by the caller), or with a sliding window one
+    bottom-right causal call over both (``(k + 1) c`` keys). Both read a prefix of each
+    prefill's restored rows in place (``seqused_k``)."""
     if window is not None:
         return ops.varlen_attention(q_part, k_pre, v_pre, cu_q, restored_cu, scale=scale,
                                     causal=True, window=window,
                                     seqused_k=keys_before + cu_q.diff())
-    before = ops.varlen_attention(q_part, k_pre, v_pre, cu_q, restored_cu, scale=scale,
-                                  causal=False, seqused_k=keys_before)
-    return ops.merge_attn_states(*before, *diagonal)
+    return ops.varlen_attention(q_part, k_pre, v_pre, cu_q, restored_cu, scale=scale,
+                                causal=False, seqused_k=keys_before)

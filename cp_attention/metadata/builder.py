@@ -62,9 +62,9 @@ class AttentionMetadata:
     pcp_partition: PrefillPartition | None = None  # the strategy (HeadTail)
     pcp_rank: int = 0
     chunk_cu_seqlens: torch.Tensor | None = None  # [P + 1] C: rows of one chunk (= diagonal)
+    local_chunk_cu_seqlens: torch.Tensor | None = None  # [m P + 1] local rows of each chunk
     chunk_q_idx: torch.Tensor | None = None  # [m, sum c] local prefill rows of each chunk
     chunk_keys_before: torch.Tensor | None = None  # [m, P] restored keys before each chunk
-    q_full_idx: torch.Tensor | None = None  # [m sum c] row of cat(chunk rows) of each row
     pcp_allgather_restore_idx: torch.Tensor | None = None  # [pcp m sum c] gathered -> restored
     pcp_allgather_scatter_idx: torch.Tensor | None = None  # inverse: restored -> gathered
     # decode-only step (no prefill row, so no query is gathered over PCP): the layer writes

@@ -15,7 +15,7 @@ import numpy as np
 from cp_attention.config import CPConfig, CPRanks, is_int
 from cp_attention.errors import StepError
 from cp_attention.mathutils import ceil_div
-from cp_attention.metadata.common import StepSpec, decode_mask
+from cp_attention.metadata.common import StepSpec, decode_mask, ranges_concat
 from cp_attention.metadata.kv_layout import KVSharding
 
 __all__ = ["validate_rank_plans", "validate_ranks", "validate_step"]
@@ -180,7 +180,7 @@ def _check_rank_ranges(meta, cfg: CPConfig, computed: np.ndarray, p: int,
     """Per-rank lengths, cu_seqlens and index ranges of one rank's ``AttentionMetadata``."""
     where = f"rank ({p},{d})"
     if meta.pcp_partition is not None:
-        rows = len(meta.q_full_idx)
+        rows = meta.chunk_q_idx.numel()
         total = cfg.pcp_size * rows
         restore = meta.pcp_allgather_restore_idx.numpy()
         scatter = meta.pcp_allgather_scatter_idx.numpy()
@@ -194,8 +194,12 @@ def _check_rank_ranges(meta, cfg: CPConfig, computed: np.ndarray, p: int,
         q_all = meta.chunk_q_idx.numpy().reshape(-1)
         if not np.array_equal(np.sort(q_all), np.arange(rows)):
             fail(f"{where}: chunk_q_idx does not cover the {rows} local rows once")
-        if not np.array_equal(q_all[meta.q_full_idx.numpy()], np.arange(rows)):
-            fail(f"{where}: q_full_idx does not restore the local order")
+        m, local_cu = len(meta.chunk_q_idx), meta.local_chunk_cu_seqlens.numpy()
+        # local_cu[s:-1:m]: the first local row of chunk s of each prefill
+        if len(local_cu) != m * len(meta.chunk_lens) + 1 or local_cu[-1] != rows or any(
+                not np.array_equal(ranges_concat(local_cu[s:-1:m], meta.chunk_lens),
+                                   meta.chunk_q_idx.numpy()[s]) for s in range(m)):
+            fail(f"{where}: local_chunk_cu_seqlens does not delimit the rows of chunk_q_idx")
         before = meta.chunk_keys_before.numpy()  # the chunk's own c keys follow
         if (before < 0).any() or (before + meta.chunk_lens > meta.padded_lens).any():
             fail(f"{where}: chunk_keys_before + c exceeds a prefill's restored rows")

@@ -85,24 +85,24 @@ class PrefillPartition(ABC):
     def plan(self, new_lens: np.ndarray, rank: int) -> dict[str, torch.Tensor]:
         """The split of prefills with ``new_lens`` ([P]) new tokens for ``rank``: the PCP
         fields of :class:`~cp_attention.metadata.builder.AttentionMetadata`, by name
-        (``chunk_cu_seqlens`` [P + 1] C, ``chunk_q_idx`` [m, sum c], ``chunk_keys_before``
-        [m, P], ``q_full_idx`` [m sum c], ``pcp_allgather_restore_idx`` [pcp m sum c] and its
+        (``chunk_cu_seqlens`` [P + 1] C, ``local_chunk_cu_seqlens`` [m P + 1] the local rows
+        of each chunk in local order (prefill by prefill, its m chunks in turn: every
+        diagonal in one causal call), ``chunk_q_idx`` [m, sum c], ``chunk_keys_before``
+        [m, P], ``pcp_allgather_restore_idx`` [pcp m sum c] and its
         inverse ``pcp_allgather_scatter_idx``; int64 tensors)."""
         if not 0 <= rank < self.pcp_size:
             raise ValueError(f"pcp_rank ({rank}) must be in [0, pcp_size={self.pcp_size})")
         c = self.chunk_lens(new_lens)
         cu = cumsum0(c)  # [P + 1]
-        first, m = cu[:-1], self.chunks_per_rank
+        m = self.chunks_per_rank
         equal = len(c) < 2 or bool((c == c[0]).all())  # every index has segments of c rows
-        # local chunk s of prefill i: rows m C[i] + s c[i] + j
-        q_idx = chunk_ranges(m * first + np.multiply.outer(np.arange(m), c), c[None, :],
-                             equal).reshape(m, -1)
-        # local row (i, s, j) is row s T + C[i] + j of cat(chunk rows), T = sum c
-        q_full = chunk_ranges(np.add.outer(first, np.arange(m) * int(cu[-1])), c[:, None], equal)
+        # local chunk s of prefill i: rows local_cu[i m + s] + j = m C[i] + s c[i] + j
+        local_cu = cumsum0(np.repeat(c, m))
+        q_idx = chunk_ranges(local_cu[:-1].reshape(-1, m).T, c[None, :], equal).reshape(m, -1)
         runs = self.restore_runs(c, cu)
-        return {"chunk_cu_seqlens": _tensor(cu), "chunk_q_idx": _tensor(q_idx),
+        return {"chunk_cu_seqlens": _tensor(cu), "local_chunk_cu_seqlens": _tensor(local_cu),
+                "chunk_q_idx": _tensor(q_idx),
                 "chunk_keys_before": _tensor(np.multiply.outer(self.chunks_of(rank), c)),
-                "q_full_idx": _tensor(q_full),
                 "pcp_allgather_restore_idx": _tensor(chunk_ranges(runs, c[:, None], equal)),
                 "pcp_allgather_scatter_idx": _tensor(inverse_of_runs(
                     runs.reshape(-1), c.repeat(self.num_chunks), equal))}

@@ -57,7 +57,7 @@ class VllmAscendView:
 
     @property
     def q_full_idx(self) -> torch.Tensor:  # [2 sum c] argsort(cat(q_head_idx, q_tail_idx))
-        return self.meta.q_full_idx
+        return torch.argsort(self.meta.chunk_q_idx.reshape(-1))
 
     @property
     def kv_with_q_head_nomask_idx(self) -> torch.Tensor:  # [head sum c] rows before the chunk
