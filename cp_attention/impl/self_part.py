@@ -41,6 +41,8 @@ def self_attention(ops: AttentionOps, comm: Communicator, q: torch.Tensor, k: to
         if work is not None:
             work.wait()
         kv = gathered.index_select(0, meta.pcp_allgather_restore_idx.to(k.device))
+        del local, gathered, work  # the all-gather's buffers (which its work holds too): not
+                                   # read again, freed before the unmasked part
         step_k, step_v = ((torch.cat([k[:nd], kv[:, 0]]), torch.cat([v[:nd], kv[:, 1]]))
                           if nd else (kv[:, 0], kv[:, 1]))  # prefill-only: no copy
     if gather and causal:
