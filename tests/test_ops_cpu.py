@@ -285,17 +285,33 @@ def test_paged_attention_rejects_bad_arguments(ops):
         ops.paged_attention(q, kc, vc, table + 1000, cu, lens, scale=1.0)
 
 
+def _step_rows(key: torch.Tensor, value: torch.Tensor, layout: str):
+    """The same [T, Hkv, D] rows as contiguous tensors, as the two halves of one
+    [T, 2, Hkv, D] tensor (the PCP restored step K/V), or with a non-contiguous head_size."""
+    if layout == "kv_pair":
+        pair = torch.stack([key, value], dim=1)
+        return pair[:, 0], pair[:, 1]
+    if layout == "head_size_strided":
+        return tuple(x.transpose(1, 2).contiguous().transpose(1, 2) for x in (key, value))
+    return key, value
+
+
 @pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("src_layout", ["contiguous", "kv_pair", "head_size_strided"])
 @pytest.mark.parametrize("src_dtype,cache_dtype", [(torch.float32, torch.float32),
                                                    (torch.float32, torch.bfloat16),
                                                    (torch.bfloat16, torch.bfloat16),
                                                    (torch.float16, torch.float16),
                                                    (torch.float64, torch.float64)])
-def test_reshape_and_cache_matches_reference(ops, strided, src_dtype, cache_dtype):
+def test_reshape_and_cache_matches_reference(ops, strided, src_layout, src_dtype, cache_dtype):
     gen = torch.Generator().manual_seed(4)
     hkv, d, block_size, num_blocks = 2, 80, 16, 5
     key = torch.randn(30, hkv, d, generator=gen).to(src_dtype)
     value = torch.randn(30, hkv, d, generator=gen).to(src_dtype)
+    key, value = _step_rows(key, value, src_layout)
+    assert (key.is_contiguous(), key.stride(-1) == 1) == {
+        "contiguous": (True, True), "kv_pair": (False, True),
+        "head_size_strided": (False, False)}[src_layout]
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:30]
     slots[::4] = -1
     caches = [make_cache(num_blocks, block_size, hkv, d, cache_dtype, strided, gen)

@@ -1198,8 +1198,14 @@ void reshape_and_cache_cpu(const at::Tensor& key_in, const at::Tensor& value_in,
   TORCH_CHECK_VALUE(slot_mapping_in.dim() == 1 && slot_mapping_in.numel() == num_tokens &&
                     !at::isFloatingType(slot_mapping_in.scalar_type()),
                     "slot_mapping must be [T] integers, got ", slot_mapping_in.sizes());
-  const at::Tensor key = key_in.to(key_cache.scalar_type()).contiguous();
-  const at::Tensor value = value_in.to(value_cache.scalar_type()).contiguous();
+  // Rows are copied from their strides: the restored step K/V of a PCP prefill are views of
+  // one [T, 2, Hkv, D] tensor (a contiguous copy of each cost as much as the write).
+  const auto rows_of = [](const at::Tensor& x, at::ScalarType dtype) {
+    const at::Tensor y = x.to(dtype);
+    return y.stride(2) == 1 ? y : y.contiguous();
+  };
+  const at::Tensor key = rows_of(key_in, key_cache.scalar_type());
+  const at::Tensor value = rows_of(value_in, value_cache.scalar_type());
   const at::Tensor slots = slot_mapping_in.to(at::kLong).contiguous();
   const int64_t heads = key_cache.size(2), dim = key_cache.size(3);
   const int64_t block_size = key_cache.size(1);
@@ -1222,11 +1228,12 @@ void reshape_and_cache_cpu(const at::Tensor& key_in, const at::Tensor& value_in,
       }
       const int64_t block = s / block_size, offset = s % block_size;
       for (int64_t h = 0; h < heads; ++h) {
-        const int64_t src = (t * heads + h) * row_bytes;
         std::memcpy(k_dst + (block * key_cache.stride(0) + offset * key_cache.stride(1) +
-                             h * key_cache.stride(2)) * elem, k_src + src, row_bytes);
+                             h * key_cache.stride(2)) * elem,
+                    k_src + (t * key.stride(0) + h * key.stride(1)) * elem, row_bytes);
         std::memcpy(v_dst + (block * value_cache.stride(0) + offset * value_cache.stride(1) +
-                             h * value_cache.stride(2)) * elem, v_src + src, row_bytes);
+                             h * value_cache.stride(2)) * elem,
+                    v_src + (t * value.stride(0) + h * value.stride(1)) * elem, row_bytes);
       }
     }
   });
