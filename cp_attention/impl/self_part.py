@@ -37,14 +37,16 @@ def self_attention(ops: AttentionOps, comm: Communicator, q: torch.Tensor, k: to
         cu = meta.local_chunk_cu_seqlens        # one causal call over the local rows in place
         diagonal = ops.varlen_attention(q_pre, k_pre, v_pre, cu, cu, scale=scale, causal=True)
     step_k, step_v = k, v
-    if gather:  # restore the gathered rows in request order
-        if work is not None:
+    if gather:  # the step rows [nd + restored, 2, Hkv, D]: decodes, then the gathered rows
+        if work is not None:  # restored in request order (one copy, no concatenation)
             work.wait()
-        kv = gathered.index_select(0, meta.pcp_allgather_restore_idx.to(k.device))
+        step_kv = gathered.new_empty((nd + gathered.shape[0],) + gathered.shape[1:])
+        step_kv[:nd, 0], step_kv[:nd, 1] = k[:nd], v[:nd]
+        torch.index_select(gathered, 0, meta.pcp_allgather_restore_idx.to(k.device),
+                           out=step_kv[nd:])
         del local, gathered, work  # the all-gather's buffers (which its work holds too): not
                                    # read again, freed before the unmasked part
-        step_k, step_v = ((torch.cat([k[:nd], kv[:, 0]]), torch.cat([v[:nd], kv[:, 1]]))
-                          if nd else (kv[:, 0], kv[:, 1]))  # prefill-only: no copy
+        step_k, step_v = step_kv[:, 0], step_kv[:, 1]
     if gather and causal:
         pre = pcp_prefill_attention(ops, q_pre, step_k[nd:], step_v[nd:], meta, diagonal,
                                     scale, window)
