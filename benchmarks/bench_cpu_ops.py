@@ -221,11 +221,6 @@ class Problem:
         group = self.case.q_heads // self.case.kv_heads
         return 2 * group * self.q_len / self.k.element_size()
 
-    def prefill_flops(self) -> float:
-        """Causal prefill flops (QK and PV over the lower triangle)."""
-        c = self.case
-        return 4.0 * c.batch * c.q_heads * c.head_size * c.context * (c.context + 1) / 2
-
 
 def measure(case: Case, repeats: int, with_vllm: bool) -> dict:
     problem = Problem(case, with_vllm)
@@ -401,7 +396,7 @@ def measure_matrix_row(case: Case, sequential: bool, repeats: int, with_vllm: bo
         roof_gbs = min(bandwidth, gflops / problem.flops_per_kv_byte())
         row["ours_fraction_of_roof"] = problem.kv_bytes() / (row["ours_ms"] / 1e3) / 1e9 / roof_gbs
     else:
-        row["ours_fraction_of_roof"] = problem.prefill_flops() / (row["ours_ms"] / 1e3) / 1e9 / gflops
+        row["ours_fraction_of_roof"] = row_flops(row) / (row["ours_ms"] / 1e3) / 1e9 / gflops
     if with_vllm:
         row["ours_over_vllm"] = row["ours_ms"] / row["vllm_ms"]
     row["ours_over_sdpa"] = row["ours_ms"] / row["sdpa_ms"]
