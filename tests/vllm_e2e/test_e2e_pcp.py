@@ -55,10 +55,13 @@ CHECK = {"CP_ATTENTION_VLLM_CHECK_TOKENS": "1"}
 PCP2 = ("--pcp", "2")
 DCP2 = ("--dcp", "2")
 BF16 = ("--dtype", "bfloat16")
+PROMPT_LOGPROBS = ("--prompt-logprobs", "2")
 RUNS = {
     "gqa_cpu_attn": RunSpec(),
     "gqa_pcp2": RunSpec({**CP, **CHECK, **MULTI_WORKER}, PCP2),
     "gqa_cpu_attn_bf16": RunSpec({}, BF16),
+    "gqa_cpu_attn_plp": RunSpec({}, PROMPT_LOGPROBS),
+    "gqa_pcp2_plp": RunSpec({**CP, **CHECK, **MULTI_WORKER}, PCP2 + PROMPT_LOGPROBS),
     "gqa_pcp2_bf16": RunSpec({**CP, **CHECK, **MULTI_WORKER}, PCP2 + BF16),
     "gqa_pcp2_no_restore": RunSpec({**CP, **MULTI_WORKER}, PCP2, fault="skip_hidden_restore"),
     "gqa_pcp2_bad_rank": RunSpec({**CP, **CHECK, **MULTI_WORKER}, PCP2, fails=True,
@@ -101,6 +104,27 @@ def test_pcp_tokens_identical_and_logprobs_close(runs, ref, ours):
     assert min(margins) >= MIN_MARGIN and min(margins) >= MARGIN_OVER_DIFF * diff
 
 
+def test_prompt_logprobs_at_pcp2(runs):
+    """Prompt logprobs read every prompt token's hidden state: the runner restores all rows
+    (not only the sampled ones) and the split lm_head projects each of them."""
+    a, b = runs.get("gqa_cpu_attn_plp"), runs.get("gqa_pcp2_plp")
+    assert tokens(b) == tokens(a)
+    diff, compared = 0.0, 0
+    for prompt, ra, rb in zip(PROMPTS, a["requests"], b["requests"]):
+        pa, pb = ra["prompt_logprobs"], rb["prompt_logprobs"]
+        assert pa is not None and pb is not None and len(pa) == len(pb) == len(prompt)
+        assert pa[0] is None and pb[0] is None  # no logprob for the first token
+        for token, top_a, top_b in zip(prompt[1:], pa[1:], pb[1:]):
+            assert str(token) in top_a and str(token) in top_b
+            for key in top_a.keys() & top_b.keys():
+                diff = max(diff, abs(top_a[key] - top_b[key]))
+                compared += 1
+    print(f"prompt logprobs: {compared} compared, max |diff| {diff:.2e}")
+    assert compared >= sum(len(p) - 1 for p in PROMPTS) and diff <= LOGPROB_TOL
+    assert re.search(r"cp_attention hidden restore: step \d+, (\d+) wanted rows of \1 tokens",
+                     runs.log("gqa_pcp2_plp"))  # every row restored in some step
+
+
 @pytest.mark.parametrize("ref, ours", PAIRS)
 def test_prefix_cache_really_hit(runs, ref, ours):
     for name in (ref, ours):
@@ -119,6 +143,11 @@ def test_pcp_worker_and_backend_used(runs, name, impl, kv_shard):
     assert f"cp_attention impl active: {impl}" in log and f"kv_shard {kv_shard}" in log
     assert "pcp rank 1/2" in log
     assert "PCPTokenMismatch" not in log
+    if "tp2" in name:  # vLLM's TP already splits the head
+        assert "cp_attention lm_head: whole on every PCP rank (tensor parallel 2" in log
+    else:  # each PCP rank projects onto half the vocabulary
+        assert "cp_attention lm_head: vocab rows 0:128 of 256 on PCP rank 0/2" in log
+        assert "cp_attention lm_head: vocab rows 128:256 of 256 on PCP rank 1/2" in log
     # the PCP exchanges (decode partials, context queries) run in vLLM CPU's shared memory
     assert re.search(r"cp_attention: PCP all-gather in shared memory \(\S+-cp_attention-pcp-"
                      r"\[\d+-\d+\]-cpushm\)", log), log[-3000:]

@@ -193,5 +193,7 @@ def test_plugin_ran(runs, name):
             assert f"cp_attention PCP model runner: pcp rank {rank}/2, token check on" in log
             shard = "cp" if "dcp2" in name else "dcp"  # dcp2: KV sharded over the PCP ranks
             assert f"pcp rank {rank}/2, kv_shard {shard}" in log
+            share = ("0:24576", "24576:49152")[rank]  # the lm_head split over the PCP ranks
+            assert f"cp_attention lm_head: vocab rows {share} of 49152 on PCP rank {rank}/2" in log
     assert "PCPTokenMismatch" not in log
     assert not re.search(r"cp_attention (impl|PCP|metadata)", runs.log("cpu_attn"))

@@ -40,6 +40,8 @@ from cp_attention.integrations.vllm import LOGGER_NAME
 from cp_attention.integrations.vllm.adapter import (local_input_rows, pack_held_rows,
                                                     pick_held_rows, rows_holding)
 from cp_attention.integrations.vllm.backend import CPVllmMetadata
+from cp_attention.integrations.vllm.logits import split_lm_head
+from cp_attention.integrations.vllm.shm import pcp_communicator
 
 log = logging.getLogger(LOGGER_NAME)
 ENV_CHECK_TOKENS = "CP_ATTENTION_VLLM_CHECK_TOKENS"
@@ -75,9 +77,18 @@ class PCPCPUModelRunner(CPUModelRunner):
         self.restore_stats = RestoreStats()
         self.check_tokens = os.environ.get(ENV_CHECK_TOKENS, "0") == "1"
         self.sample_step = 0
+        self.logits_comm: Communicator | None = None
         log.info("cp_attention PCP model runner: pcp rank %d/%d, token check %s",
                  self.pcp_group.rank_in_group, self.pcp_group.world_size,
                  "on" if self.check_tokens else "off")
+
+    def load_model(self, *args, **kwargs) -> None:
+        """vLLM's load, then the lm_head split over the PCP ranks (:mod:`.logits`)."""
+        super().load_model(*args, **kwargs)
+        self.logits_comm = pcp_communicator()
+        group = self.pcp_group
+        split_lm_head(self.model, group.rank_in_group, group.world_size,
+                      lambda part: self.logits_comm.all_gather(part, group.cpu_group))
 
     def _model_forward(self, input_ids: torch.Tensor | None = None,
                        positions: torch.Tensor | None = None, intermediate_tensors=None,

@@ -30,15 +30,20 @@ _MANAGERS: dict[str, AllGatherInto | None] = {}
 
 
 def impl_communicator(config: CPConfig) -> Communicator:
+    """The impls' communicator: :func:`pcp_communicator` when PCP has two or more ranks."""
+    return pcp_communicator() if config.pcp_size > 1 else Communicator()
+
+
+def pcp_communicator() -> Communicator:
     """A :class:`Communicator` whose PCP all-gathers run in shared memory when this is vLLM's
-    CPU worker (its ``_C`` ops loaded, ``VLLM_DIST_IDENT`` set) and PCP has two or more ranks."""
+    CPU worker (its ``_C`` ops loaded, ``VLLM_DIST_IDENT`` set); gloo otherwise."""
     comm = Communicator()
-    if config.pcp_size == 1 or os.environ.get(ENV_SHM, "1") == "0":
+    group = get_pcp_group()
+    if group.world_size == 1 or os.environ.get(ENV_SHM, "1") == "0":
         return comm
     if not hasattr(torch.ops._C, "shm_all_gather") or "VLLM_DIST_IDENT" not in os.environ:
         log.info("cp_attention: the PCP exchange runs on gloo (no vLLM CPU shared memory ops)")
         return comm
-    group = get_pcp_group()
     gather = shm_all_gather(group)
     if gather is not None:
         comm.shm_all_gather[group.cpu_group] = gather
