@@ -29,6 +29,9 @@ binds each worker to half of them):
   the engine's processes confined to one CPU (``sched_setaffinity``), the compute one PCP rank
   has here: the per-device baseline, as on one accelerator per rank (pcp=1 runs on one
   device; pcp=2 adds a second one).
+* ``cp_pcp2_whole_head``, ``cp_pcp2_dcp2_whole_head`` (opt-in): as ``cp_pcp2`` /
+  ``cp_pcp2_dcp2`` with the lm_head left whole on both ranks (``CP_ATTENTION_VLLM_SPLIT_LM_HEAD=0``),
+  the A/B of the vocab split (``cp_attention/integrations/vllm/logits.py``).
 
 Each (configuration, dtype) is one resident offline ``vllm.LLM`` in its own subprocess (this
 file with ``--engine``); per dtype the engines start one after the other, then their timed
@@ -62,7 +65,11 @@ BASELINE = "cpu_attn"
 # name -> (plugin on, pcp, dcp, CPUs the engine may run on: the first n of ours, 0 = all)
 CONFIGS = {"cpu_attn": (False, 1, 1, 0), "cp_pcp1": (True, 1, 1, 0), "cp_pcp2": (True, 2, 1, 0),
            "cp_pcp2_dcp2": (True, 2, 2, 0),
-           "cpu_attn_1cpu": (False, 1, 1, 1), "cp_pcp1_1cpu": (True, 1, 1, 1)}
+           "cpu_attn_1cpu": (False, 1, 1, 1), "cp_pcp1_1cpu": (True, 1, 1, 1),
+           "cp_pcp2_whole_head": (True, 2, 1, 0), "cp_pcp2_dcp2_whole_head": (True, 2, 2, 0)}
+# the A/B configurations: the lm_head left whole on every PCP rank (cp_attention...logits)
+EXTRA_ENV = {name: {"CP_ATTENTION_VLLM_SPLIT_LM_HEAD": "0"} for name in CONFIGS
+             if name.endswith("_whole_head")}
 DEFAULT_CONFIGS = ["cpu_attn", "cp_pcp1", "cp_pcp2", "cp_pcp2_dcp2"]
 DTYPES = ["float32", "bfloat16"]
 FULL = {"long_days": 126, "long_tokens": 129, "batch": 8, "batch_days": 5, "batch_tokens": 64,
@@ -142,7 +149,8 @@ def start_engine(name: str, dtype: str, model: Path, log_dir: Path) -> EnginePro
     plugin, pcp, dcp, cpu_limit = CONFIGS[name]
     cpus = _engine_cpus(cpu_limit)
     env = engine_env(VLLM_CPU_OMP_THREADS_BIND=_binding(pcp, cpus),
-                     **({"CP_ATTENTION_VLLM": "1"} if plugin else {}))
+                     **({"CP_ATTENTION_VLLM": "1"} if plugin else {}),
+                     **EXTRA_ENV.get(name, {}))
     cmd = [sys.executable, "-m", "benchmarks.bench_vllm_real", "--engine", str(model),
            "--pcp", str(pcp), "--dcp", str(dcp), "--dtypes", dtype]
     return EngineProcess(f"{name} {dtype}", cmd, env, log_dir / f"{name}_{dtype}.log",
