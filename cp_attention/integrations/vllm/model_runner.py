@@ -35,7 +35,6 @@ from vllm.distributed.parallel_state import get_pcp_group
 from vllm.forward_context import get_forward_context
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
-from cp_attention.comm import Communicator
 from cp_attention.integrations.vllm import LOGGER_NAME
 from cp_attention.integrations.vllm.adapter import (local_input_rows, pack_held_rows,
                                                     pick_held_rows, rows_holding)
@@ -73,11 +72,10 @@ class PCPCPUModelRunner(CPUModelRunner):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.pcp_group = get_pcp_group()
-        self.pcp_comm = Communicator()
+        self.pcp_comm = pcp_communicator()  # the hidden restore and the lm_head's all-gather
         self.restore_stats = RestoreStats()
         self.check_tokens = os.environ.get(ENV_CHECK_TOKENS, "0") == "1"
         self.sample_step = 0
-        self.logits_comm: Communicator | None = None
         log.info("cp_attention PCP model runner: pcp rank %d/%d, token check %s",
                  self.pcp_group.rank_in_group, self.pcp_group.world_size,
                  "on" if self.check_tokens else "off")
@@ -85,10 +83,9 @@ class PCPCPUModelRunner(CPUModelRunner):
     def load_model(self, *args, **kwargs) -> None:
         """vLLM's load, then the lm_head split over the PCP ranks (:mod:`.logits`)."""
         super().load_model(*args, **kwargs)
-        self.logits_comm = pcp_communicator()
         group = self.pcp_group
         split_lm_head(self.model, group.rank_in_group, group.world_size,
-                      lambda part: self.logits_comm.all_gather(part, group.cpu_group))
+                      lambda part: self.pcp_comm.all_gather(part, group.cpu_group))
 
     def _model_forward(self, input_ids: torch.Tensor | None = None,
                        positions: torch.Tensor | None = None, intermediate_tensors=None,

@@ -1,11 +1,12 @@
-"""The PCP group's all-gather in shared memory (vLLM CPU's ``shm_all_gather``), for the impls.
+"""The PCP group's all-gather in shared memory (vLLM CPU's ``shm_all_gather``), for the impls
+and the PCP model runner (hidden-state restore, lm_head split).
 
 With ``pcp = dcp`` every decode layer merges its KV shards' partials over the PCP group: a few
 KB per layer call, whose cost is the collective's latency. gloo takes 0.3-0.7 ms for it on one
 host (two processes, this project's dev machine); vLLM CPU's shared-memory all-gather, which
 vLLM itself uses only for its TP and PP groups, about 15 us. One manager per process and group,
-set up when the first layer is built (every rank builds its layers in the same order, so the
-setup's collectives match); ``CP_ATTENTION_VLLM_SHM=0`` keeps gloo. As in vLLM's own
+set up by the first :func:`pcp_communicator` call (the PCP runner's construction, at the same
+point on every rank, so the setup's collectives match; the layers' impls reuse it); ``CP_ATTENTION_VLLM_SHM=0`` keeps gloo. As in vLLM's own
 ``CpuCommunicator``, the group stays on gloo when its ranks do not agree on one shared-memory
 name: a PCP group spanning vLLM nodes (``--nnodes``) has one ``VLLM_DIST_IDENT`` per node.
 """
