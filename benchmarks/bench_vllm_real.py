@@ -30,8 +30,9 @@ binds each worker to half of them):
   has here: the per-device baseline, as on one accelerator per rank (pcp=1 runs on one
   device; pcp=2 adds a second one).
 * ``cp_pcp2_whole_head``, ``cp_pcp2_dcp2_whole_head`` (opt-in): as ``cp_pcp2`` /
-  ``cp_pcp2_dcp2`` with the lm_head left whole on both ranks (``CP_ATTENTION_VLLM_SPLIT_LM_HEAD=0``),
-  the A/B of the vocab split (``cp_attention/integrations/vllm/logits.py``).
+  ``cp_pcp2_dcp2`` with the lm_head left whole on both ranks
+  (``CP_ATTENTION_VLLM_SPLIT_LM_HEAD=0``), the A/B of the vocab split
+  (``cp_attention/integrations/vllm/logits.py``).
 
 Each (configuration, dtype) is one resident offline ``vllm.LLM`` in its own subprocess (this
 file with ``--engine``); per dtype the engines start one after the other, then their timed
@@ -67,7 +68,7 @@ CONFIGS = {"cpu_attn": (False, 1, 1, 0), "cp_pcp1": (True, 1, 1, 0), "cp_pcp2": 
            "cp_pcp2_dcp2": (True, 2, 2, 0),
            "cpu_attn_1cpu": (False, 1, 1, 1), "cp_pcp1_1cpu": (True, 1, 1, 1),
            "cp_pcp2_whole_head": (True, 2, 1, 0), "cp_pcp2_dcp2_whole_head": (True, 2, 2, 0)}
-# the A/B configurations: the lm_head left whole on every PCP rank (cp_attention...logits)
+# the A/B configurations: the lm_head whole on every PCP rank (integrations/vllm/logits.py)
 EXTRA_ENV = {name: {"CP_ATTENTION_VLLM_SPLIT_LM_HEAD": "0"} for name in CONFIGS
              if name.endswith("_whole_head")}
 DEFAULT_CONFIGS = ["cpu_attn", "cp_pcp1", "cp_pcp2", "cp_pcp2_dcp2"]

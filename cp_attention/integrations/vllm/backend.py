@@ -237,7 +237,7 @@ class CPVllmImpl(AttentionImpl[CPVllmMetadata]):
         if self.config.uses_cp:
             extra_kwargs = {"groups": vllm_groups(self.config), "dcp_comm_backend":
                             vllm_config.parallel_config.dcp_comm_backend or "ag_rs",
-                            "comm": impl_communicator(self.config)}
+                            "comm": impl_communicator(self.config.pcp_size)}
         self.inner = CPAttentionBackend.get_impl_cls(self.config)(
             num_heads, head_size, scale, self.num_kv_heads, sliding_window=sliding_window,
             attn_type="decoder", kv_cache_dtype=kv_cache_dtype, **extra_kwargs)

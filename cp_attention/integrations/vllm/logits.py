@@ -13,9 +13,11 @@ bitwise those of the whole head (tests/vllm_e2e/test_logits_split.py).
 The split applies where vLLM left a plain head: tp = 1, unquantized weight and a CPU GEMM
 installed by vLLM (``layer.cpu_linear``); elsewhere the head stays whole and the log says why
 (LoRA and speculative decoding, which would bring other heads, are refused with pcp > 1 at
-start-up: :mod:`.config_hook`). ``CP_ATTENTION_VLLM_SPLIT_LM_HEAD=0`` keeps it whole. Private vLLM names relied on (vLLM 0.32.0): ``ParallelLMHead.cpu_linear`` (set by
+start-up: :mod:`.config_hook`). ``CP_ATTENTION_VLLM_SPLIT_LM_HEAD=0`` keeps it whole.
+
+Private vLLM names relied on (vLLM 0.32.0): ``ParallelLMHead.cpu_linear`` (set by
 ``dispatch_cpu_unquantized_gemm``, ``vllm/model_executor/layers/utils.py:470``) and its call
-``layer.cpu_linear(x, weight, bias)`` (``cpu_unquantized_gemm``, same file).
+``layer.cpu_linear(x, weight, bias)`` (``cpu_unquantized_gemm``, same file, ``:611``).
 """
 from __future__ import annotations
 

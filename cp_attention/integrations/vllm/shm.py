@@ -6,7 +6,8 @@ KB per layer call, whose cost is the collective's latency. gloo takes 0.3-0.7 ms
 host (two processes, this project's dev machine); vLLM CPU's shared-memory all-gather, which
 vLLM itself uses only for its TP and PP groups, about 15 us. One manager per process and group,
 set up by the first :func:`pcp_communicator` call (the PCP runner's construction, at the same
-point on every rank, so the setup's collectives match; the layers' impls reuse it); ``CP_ATTENTION_VLLM_SHM=0`` keeps gloo. As in vLLM's own
+point on every rank, so the setup's collectives match; the layers' impls reuse it);
+``CP_ATTENTION_VLLM_SHM=0`` keeps gloo. As in vLLM's own
 ``CpuCommunicator``, the group stays on gloo when its ranks do not agree on one shared-memory
 name: a PCP group spanning vLLM nodes (``--nnodes``) has one ``VLLM_DIST_IDENT`` per node.
 """
@@ -21,7 +22,6 @@ import torch.distributed as dist
 from vllm.distributed.parallel_state import GroupCoordinator, get_pcp_group
 
 from cp_attention.comm import AllGatherInto, Communicator
-from cp_attention.config import CPConfig
 from cp_attention.integrations.vllm import LOGGER_NAME
 
 log = logging.getLogger(LOGGER_NAME)
@@ -30,14 +30,16 @@ ENV_SHM = "CP_ATTENTION_VLLM_SHM"  # "0": the PCP exchange stays on gloo
 _MANAGERS: dict[str, AllGatherInto | None] = {}
 
 
-def impl_communicator(config: CPConfig) -> Communicator:
-    """The impls' communicator: :func:`pcp_communicator` when PCP has two or more ranks."""
-    return pcp_communicator() if config.pcp_size > 1 else Communicator()
+def impl_communicator(pcp_size: int) -> Communicator:
+    """The layer impls' communicator: :func:`pcp_communicator` when PCP has two or more ranks
+    (vLLM's PCP group is not read otherwise)."""
+    return pcp_communicator() if pcp_size > 1 else Communicator()
 
 
 def pcp_communicator() -> Communicator:
     """A :class:`Communicator` whose PCP all-gathers run in shared memory when this is vLLM's
-    CPU worker (its ``_C`` ops loaded, ``VLLM_DIST_IDENT`` set); gloo otherwise."""
+    CPU worker (its ``_C`` ops loaded, ``VLLM_DIST_IDENT`` set) and PCP has two or more ranks;
+    gloo otherwise."""
     comm = Communicator()
     group = get_pcp_group()
     if group.world_size == 1 or os.environ.get(ENV_SHM, "1") == "0":
