@@ -41,11 +41,13 @@ def pcp_communicator() -> Communicator:
     CPU worker (its ``_C`` ops loaded, ``VLLM_DIST_IDENT`` set) and PCP has two or more ranks;
     gloo otherwise."""
     comm = Communicator()
-    group = get_pcp_group()
-    if group.world_size == 1 or os.environ.get(ENV_SHM, "1") == "0":
+    if os.environ.get(ENV_SHM, "1") == "0":
         return comm
     if not hasattr(torch.ops._C, "shm_all_gather") or "VLLM_DIST_IDENT" not in os.environ:
         log.info("cp_attention: the PCP exchange runs on gloo (no vLLM CPU shared memory ops)")
+        return comm
+    group = get_pcp_group()  # read only inside a vLLM worker (VLLM_DIST_IDENT set)
+    if group.world_size == 1:
         return comm
     gather = shm_all_gather(group)
     if gather is not None:
