@@ -25,7 +25,8 @@ def _torch_linear(weight):
 
 
 def _run_ranks(weight, world, make_linear, x, bias=None, threads_per_rank=None):
-    """Every rank's logits for x, each rank a thread; the all-gather meets at a barrier."""
+    """Every rank's logits for x, each rank a thread; the all-gather meets at a barrier and
+    joins the ranks' columns in rank order (as ``Communicator.all_gather(..., dim=1)``)."""
     parts, outs = [None] * world, [None] * world
     barrier = threading.Barrier(world)
 
@@ -36,7 +37,7 @@ def _run_ranks(weight, world, make_linear, x, bias=None, threads_per_rank=None):
         def all_gather(part):
             parts[rank] = part
             barrier.wait()
-            gathered = torch.cat(parts)
+            gathered = torch.cat(parts, dim=1)
             barrier.wait()
             return gathered
         head = VocabSplitLinear(weight, rank, world, make_linear, all_gather)

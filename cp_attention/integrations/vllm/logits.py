@@ -50,14 +50,15 @@ class VocabSplitLinear:
     """``cpu_linear(x, weight, bias)`` of a head whose rows are split over ``world`` ranks.
 
     weight [vocab, hidden] (the whole head's); make_linear(weight share) -> the GEMM for that
-    share; all_gather([M, width]) -> [world * M, width] rank-major. A call: x [..., hidden],
-    bias [vocab] or None -> logits [..., vocab].
+    share; all_gather([M, width]) -> [M, world * width], the ranks' columns in rank order
+    (``Communicator.all_gather(..., dim=1)``). A call: x [..., hidden], bias [vocab] or None ->
+    logits [..., vocab].
     """
 
     def __init__(self, weight: torch.Tensor, rank: int, world: int,
                  make_linear: Callable[[torch.Tensor], Linear],
                  all_gather: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self.vocab, self.world = weight.shape[0], world
+        self.vocab = weight.shape[0]
         self.width = ceil_div(self.vocab, world)
         self.share = vocab_share(self.vocab, world, rank)
         self.weight = weight[self.share]
@@ -74,9 +75,7 @@ class VocabSplitLinear:
         part = self.linear(rows, self.weight, None if bias is None else bias[self.share])
         if part.shape[-1] < self.width:  # the last share of an uneven split
             part = torch.nn.functional.pad(part, (0, self.width - part.shape[-1]))
-        gathered = self.all_gather(part.contiguous())  # [world * M, width]
-        logits = gathered.view(self.world, rows.shape[0], self.width).transpose(0, 1)
-        logits = logits.reshape(rows.shape[0], self.world * self.width)[:, :self.vocab]
+        logits = self.all_gather(part.contiguous())[:, :self.vocab]  # [M, vocab]
         return logits.reshape(*x.shape[:-1], self.vocab)
 
 
@@ -103,7 +102,8 @@ def why_not_split(lm_head: nn.Module | None, world: int) -> str | None:
     if not hasattr(lm_head, "cpu_linear") or lm_head.weight.device.type != "cpu":
         return "no vLLM CPU GEMM on it"
     vocab = lm_head.weight.shape[0]
-    if not len(range(vocab)[vocab_share(vocab, world, world - 1)]):
+    last = vocab_share(vocab, world, world - 1)
+    if last.start == last.stop:
         return f"{vocab} vocab rows leave PCP rank {world - 1} none"
     return None
 

@@ -85,7 +85,7 @@ class PCPCPUModelRunner(CPUModelRunner):
         super().load_model(*args, **kwargs)
         group = self.pcp_group
         split_lm_head(self.model, group.rank_in_group, group.world_size,
-                      lambda part: self.pcp_comm.all_gather(part, group.cpu_group))
+                      lambda part: self.pcp_comm.all_gather(part, group.cpu_group, dim=1))
 
     def _model_forward(self, input_ids: torch.Tensor | None = None,
                        positions: torch.Tensor | None = None, intermediate_tensors=None,
