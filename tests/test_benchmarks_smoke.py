@@ -159,29 +159,38 @@ def test_cpu_ops_matrix(out):
     assert "Worst rows" in table and table.count("\n| ") >= 3
 
 
-def test_matrix_goal_rates():
-    """The rate each row needs for 0.8x vLLM's time, against the fastest rate of the run: a
-    decode of B=2, 8 heads of 64 over 1000 keys is 4 * 2 * 8 * 64 * 1000 flops; a causal
-    prefill of 4 tokens covers 10 query-key pairs."""
+def test_matrix_goal_bound():
+    """A row's lower bound on this CPU and the share of it the 0.8x-vLLM goal needs: a decode
+    of B=2, 8/8 heads of 64 over 1000 keys is 4 * 2 * 8 * 64 * 1000 flops over 2 * 2 * 1000 *
+    8 * 64 * 4 bytes of fp32 K/V; a causal prefill of 4 tokens covers 10 query-key pairs."""
     decode = {"kind": "decode", "batch": 2, "q_heads": 8, "head_size": 64, "context": 1000,
               "dtype": "float32", "vllm_ms": 0.1, "ours_packed_ms": 0.2,
               "ours_own_layout_ms": 0.25, "ours_ms": 0.25, "sdpa_ms": 1.0,
               "ours_over_vllm": 2.5, "kv_heads": 8, "sequential_blocks": False,
-              "ours_over_sdpa": 0.25, "ours_fraction_of_roof": 0.5}
+              "ours_over_sdpa": 0.25, "ours_fraction_of_roof": 0.5, "read_gbs": 100.0}
     prefill = {"kind": "prefill", "batch": 1, "q_heads": 1, "head_size": 1, "context": 4,
-               "dtype": "float32", "vllm_ms": 1e-6, "ours_ms": 2e-6, "sdpa_ms": 3e-6,
+               "dtype": "bfloat16", "vllm_ms": 1e-6, "ours_ms": 2e-6, "sdpa_ms": 3e-6,
                "ours_over_vllm": 2.0, "kv_heads": 1, "ours_over_sdpa": 0.67,
-               "ours_fraction_of_roof": 0.5}
+               "ours_fraction_of_roof": 0.5, "read_gbs": 1.0}
+    peaks = {"float32": 40.0, "bfloat16": 80.0}
     assert bench_cpu_ops.row_flops(decode) == 4 * 2 * 8 * 64 * 1000
     assert bench_cpu_ops.row_flops(prefill) == 4 * 10
-    assert bench_cpu_ops.gflops_for_goal(decode) == pytest.approx(4096000 / 0.08e-3 / 1e9)
+    assert bench_cpu_ops.row_bytes(decode) == 2 * 2 * 1000 * 8 * 64 * 4
+    assert bench_cpu_ops.row_bytes(prefill) == 4 * 4 * 2
+    # decode: 4.096 MFLOP at 40 GFLOP/s = 0.1024 ms > 2.048 MB at 100 GB/s = 0.02048 ms
+    decode["bound_ms"] = bench_cpu_ops.bound_ms(decode, peaks)
+    assert decode["bound_ms"] == pytest.approx(0.1024)
+    # prefill: 40 flops at 80 GFLOP/s = 5e-10 s < 32 bytes at 1 GB/s = 3.2e-8 s
+    prefill["bound_ms"] = bench_cpu_ops.bound_ms(prefill, peaks)
+    assert prefill["bound_ms"] == pytest.approx(3.2e-5)
+    # the goal, 0.8x vLLM's time, is under both bounds; vLLM itself beat the decode's bound
+    assert bench_cpu_ops.goal_share_of_bound(decode) == pytest.approx(0.1024 / 0.08)
+    assert bench_cpu_ops.goal_share_of_bound(prefill) == pytest.approx(3.2e-5 / 0.8e-6)
     payload = {"rows": [decode, prefill], "matmul_gflops": 10.0, "vllm_available": True,
-               "skipped": []}
-    # fastest: the decode's vLLM call, 4.096 MFLOP in 0.1 ms = 40.96 GFLOP/s (> the matmul)
-    assert bench_cpu_ops.fastest_gflops(payload) == {"float32": pytest.approx(40.96)}
-    # decode needs 51.2 GFLOP/s (1.25x the fastest); the prefill 50 (1.22x)
-    assert "Rows above 0.8x vLLM: 2; to reach it, 2 need a higher rate" in \
-        bench_cpu_ops.matrix_markdown(payload)
+               "skipped": [], "peak_gflops": peaks}
+    table = bench_cpu_ops.matrix_markdown(payload)
+    assert "Rows above 0.8x vLLM: 2; on 2 of them 0.8x vLLM's time is under the row's bound" in table
+    assert "2 measured times under it" in table
 
 
 _ECHO_ENGINE = """
