@@ -2,7 +2,7 @@
 // multiply-add peak (fp32 FMA; bf16 pairs with vdpbf16ps where the CPU has them) and the read
 // bandwidth over a buffer of a given size (warm: from L1, L2, L3 or memory by its size).
 // Independent accumulator chains, so throughput, not latency, limits; each returns its rate.
-// Built by benchmarks/cpu_limits.py with -O2 -march=native; benchmark code, not a kernel.
+// Built by benchmarks/cpu_limits.py with -O3 -march=native; benchmark code, not a kernel.
 #include <immintrin.h>
 
 #include <chrono>
@@ -21,10 +21,11 @@ volatile float sink;  // keeps the accumulators live
 
 constexpr int kChains = 12;  // > FMA latency x FMA ports on every x86 core we run on
 
-template <class V, class Fma, class Sum>
-double peak(int64_t iters, V a, V b, double flops_per_op, Fma fma, Sum sum) {
-  V acc[kChains];
-  for (int c = 0; c < kChains; ++c) acc[c] = a;
+// GFLOP/s of kChains chains acc = fma(acc, a, b), each op worth `flops_per_op`.
+template <class Acc, class In, class Fma, class Sum>
+double peak(int64_t iters, Acc init, In a, In b, double flops_per_op, Fma fma, Sum sum) {
+  Acc acc[kChains];
+  for (int c = 0; c < kChains; ++c) acc[c] = init;
   const double start = seconds();
   for (int64_t i = 0; i < iters; ++i)
 #pragma GCC unroll 16
@@ -50,7 +51,8 @@ double fp32_fma_gflops(int64_t iters) {
       _mm256_storeu_ps(x, v);
       return x[0];
     };
-    const double r = peak(iters, _mm256_set1_ps(0.999f), _mm256_set1_ps(1e-3f), 16.0,
+    const __m256 a = _mm256_set1_ps(0.999f), b = _mm256_set1_ps(1e-3f);
+    const double r = peak(iters, a, a, b, 16.0,
                           [](__m256 c, __m256 a, __m256 b) { return _mm256_fmadd_ps(c, a, b); },
                           sum);
     best = r > best ? r : best;
@@ -58,7 +60,8 @@ double fp32_fma_gflops(int64_t iters) {
 #endif
 #if defined(__AVX512F__)
   {
-    const double r = peak(iters, _mm512_set1_ps(0.999f), _mm512_set1_ps(1e-3f), 32.0,
+    const __m512 a = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(1e-3f);
+    const double r = peak(iters, a, a, b, 32.0,
                           [](__m512 c, __m512 a, __m512 b) { return _mm512_fmadd_ps(c, a, b); },
                           [](__m512 v) { return _mm512_reduce_add_ps(v); });
     best = r > best ? r : best;
@@ -72,17 +75,9 @@ double bf16_dot_gflops(int64_t iters) {
 #if defined(__AVX512BF16__)
   const __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80);  // bf16 1.0
   const __m512bh b = (__m512bh)_mm512_set1_epi16(0x3a83);  // bf16 ~1e-3
-  __m512 acc[kChains];
-  for (int c = 0; c < kChains; ++c) acc[c] = _mm512_setzero_ps();
-  const double start = seconds();
-  for (int64_t i = 0; i < iters; ++i)
-#pragma GCC unroll 16
-    for (int c = 0; c < kChains; ++c) acc[c] = _mm512_dpbf16_ps(acc[c], a, b);
-  const double elapsed = seconds() - start;
-  float total = 0.f;
-  for (int c = 0; c < kChains; ++c) total += _mm512_reduce_add_ps(acc[c]);
-  sink = total;
-  return 64.0 * kChains * static_cast<double>(iters) / elapsed / 1e9;
+  return peak(iters, _mm512_setzero_ps(), a, b, 64.0,
+              [](__m512 c, __m512bh a, __m512bh b) { return _mm512_dpbf16_ps(c, a, b); },
+              [](__m512 v) { return _mm512_reduce_add_ps(v); });
 #else
   (void)iters;
   return 0.0;
