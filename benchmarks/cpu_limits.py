@@ -16,12 +16,14 @@ import subprocess
 from functools import lru_cache
 from pathlib import Path
 
+from cp_attention import envs
+
 SOURCE = Path(__file__).with_name("cpu_limits.cpp")
 FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c++17"]
 
 
 def _cache_dir() -> Path:
-    root = Path(os.environ.get("CP_ATTENTION_CACHE", Path.home() / ".cache" / "cp_attention"))
+    root = envs.CP_ATTENTION_CACHE
     return root / "bench"
 
 

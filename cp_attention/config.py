@@ -4,23 +4,16 @@ Pure data (no process groups): the metadata planners depend on this module only.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
 
 KV_SHARD_POLICIES = ("cp", "dcp")
-DEBUG_ENV = "CP_ATTENTION_DEBUG"
 
 
 def is_int(value) -> bool:
     """A Python or numpy integer (bools rejected)."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
-def debug_checks_from_env() -> bool:
-    """Whether ``CP_ATTENTION_DEBUG`` asks for the O(n) value checks (set, and not "0")."""
-    return os.environ.get(DEBUG_ENV, "0") not in ("", "0")
 
 
 @dataclass(frozen=True)

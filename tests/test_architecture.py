@@ -20,7 +20,7 @@ PACKAGE = "cp_attention"
 ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 # Layer of each top-level part of the package; a module may import its own layer or lower ones.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "mathutils"),
+    ("errors", "mathutils", "envs"),
     ("config",),
     ("metadata",),
     ("ops",),

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from cp_attention import envs
 from cp_attention.comm import Communicator
-from cp_attention.config import debug_checks_from_env
 from cp_attention.impl.checks import check_forward_call, check_forward_values
 from cp_attention.impl.context import context_attention, single_pass_attention
 from cp_attention.impl.self_part import self_attention
@@ -52,7 +52,7 @@ class BaseAttentionImpl:
         self.attn_type = attn_type
         self.causal = attn_type == "decoder"
         self.groups = groups
-        self.debug = debug_checks_from_env() if debug is None else debug
+        self.debug = envs.CP_ATTENTION_DEBUG if debug is None else debug
         self.ops = ops if ops is not None else get_ops(groups.device if groups is not None else "cpu")
         self.comm = comm if comm is not None else Communicator()
         self.pcp_group = groups.pcp_group if groups is not None else None  # None: one rank,

@@ -23,7 +23,6 @@ import argparse
 import functools
 import hashlib
 import logging
-import os
 import platform
 import sys
 import time
@@ -33,6 +32,8 @@ from pathlib import Path
 import torch
 from torch._ops import _OpNamespace
 from torch.utils.cpp_extension import _get_build_directory, load
+
+from cp_attention import envs
 
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
 FORCE_ENV = "CP_ATTENTION_OPS"
@@ -48,7 +49,7 @@ log = logging.getLogger("cp_attention")
 
 def forced_reference() -> bool:
     """True when ``CP_ATTENTION_OPS=reference`` asks for the pure-torch ops."""
-    return os.environ.get(FORCE_ENV, "").strip().lower() == "reference"
+    return envs.CP_ATTENTION_OPS == "reference"
 
 
 def _cpu_signature() -> str:

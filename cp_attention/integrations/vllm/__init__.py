@@ -30,9 +30,9 @@ module level and is only loaded by vLLM through the registered class path.
 """
 from __future__ import annotations
 
-import os
 import re
 
+from cp_attention import envs
 from cp_attention.integrations.vllm.config_hook import install_pcp_config_hook
 from cp_attention.integrations.vllm.slot_mapping import install_slot_mapping_shim
 
@@ -59,7 +59,7 @@ def check_vllm_version(version: str) -> None:
 
 def enabled() -> bool:
     """True when the user opted in with ``CP_ATTENTION_VLLM=1``."""
-    return os.environ.get(ENV_ENABLE, "0").strip().lower() in ("1", "true", "yes", "on")
+    return envs.CP_ATTENTION_VLLM
 
 
 def register() -> None:

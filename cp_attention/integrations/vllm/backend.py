@@ -19,7 +19,6 @@ calls the overridden ``_model_forward`` would otherwise attend the global rows s
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -31,6 +30,7 @@ from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, Att
                                        CommonAttentionMetadata, MultipleOf)
 from vllm.v1.kv_cache_interface import KVCacheLayout
 
+from cp_attention import envs
 from cp_attention.backend import CPAttentionBackend
 from cp_attention.config import CPConfig, CPRanks
 from cp_attention.integrations.vllm import LOGGER_NAME
@@ -44,7 +44,6 @@ from cp_attention.parallel import CPGroups
 
 log = logging.getLogger(LOGGER_NAME)
 OPS_KINDS = {"cpu": "C++ CPU kernels", "reference": "pure-torch fallback"}  # AttentionOps.name
-ENV_REORDER = "CP_ATTENTION_VLLM_REORDER"  # "0": vLLM does not reorder its batch for us
 
 
 class PCPRowsNotSelected(RuntimeError):
@@ -167,7 +166,7 @@ class CPVllmMetadataBuilder(AttentionMetadataBuilder[CPVllmMetadata]):
         self._init_reorder_batch_threshold(1)  # vLLM puts decodes first, as our rows do
         self.config = vllm_cp_config(vllm_config, kv_cache_spec.block_size,
                                      decode_threshold=self.reorder_batch_threshold)
-        if os.environ.get(ENV_REORDER, "1") == "0":
+        if not envs.CP_ATTENTION_VLLM_REORDER:
             self.reorder_batch_threshold = None  # keep vLLM's batch order; rows are permuted
         self.inner = CPAttentionBackend.get_builder_cls(self.config)(
             self.config, vllm_ranks(self.config),

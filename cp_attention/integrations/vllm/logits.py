@@ -22,7 +22,6 @@ Private vLLM names relied on (vLLM 0.32.0): ``ParallelLMHead.cpu_linear`` (set b
 from __future__ import annotations
 
 import logging
-import os
 from typing import Callable
 
 import torch
@@ -31,11 +30,11 @@ from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 from vllm.model_executor.layers.vocab_parallel_embedding import (ParallelLMHead,
                                                                  UnquantizedEmbeddingMethod)
 
+from cp_attention import envs
 from cp_attention.integrations.vllm import LOGGER_NAME
 from cp_attention.mathutils import ceil_div
 
 log = logging.getLogger(LOGGER_NAME)
-ENV_SPLIT = "CP_ATTENTION_VLLM_SPLIT_LM_HEAD"  # "0": the lm_head stays whole on every rank
 Linear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
@@ -91,8 +90,8 @@ def why_not_split(lm_head: nn.Module | None, world: int) -> str | None:
     """Why the head stays whole, or None where :func:`split_lm_head` applies."""
     if world == 1:
         return "one PCP rank"
-    if os.environ.get(ENV_SPLIT, "1") == "0":
-        return f"{ENV_SPLIT}=0"
+    if not envs.CP_ATTENTION_VLLM_SPLIT_LM_HEAD:
+        return "CP_ATTENTION_VLLM_SPLIT_LM_HEAD=0"
     if not isinstance(lm_head, ParallelLMHead):
         return f"no vLLM ParallelLMHead at model.lm_head ({type(lm_head).__name__})"
     if lm_head.tp_size != 1:

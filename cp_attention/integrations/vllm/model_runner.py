@@ -26,7 +26,6 @@ tokens they sampled (all-gather of Python objects over the PCP group) and raise
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +34,7 @@ from vllm.distributed.parallel_state import get_pcp_group
 from vllm.forward_context import get_forward_context
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
+from cp_attention import envs
 from cp_attention.integrations.vllm import LOGGER_NAME
 from cp_attention.integrations.vllm.adapter import (local_input_rows, pack_held_rows,
                                                     pick_held_rows, rows_holding)
@@ -43,7 +43,6 @@ from cp_attention.integrations.vllm.logits import split_lm_head
 from cp_attention.integrations.vllm.shm import pcp_communicator
 
 log = logging.getLogger(LOGGER_NAME)
-ENV_CHECK_TOKENS = "CP_ATTENTION_VLLM_CHECK_TOKENS"
 
 
 class PCPTokenMismatch(RuntimeError):
@@ -74,7 +73,7 @@ class PCPCPUModelRunner(CPUModelRunner):
         self.pcp_group = get_pcp_group()
         self.pcp_comm = pcp_communicator()  # the hidden restore and the lm_head's all-gather
         self.restore_stats = RestoreStats()
-        self.check_tokens = os.environ.get(ENV_CHECK_TOKENS, "0") == "1"
+        self.check_tokens = envs.CP_ATTENTION_VLLM_CHECK_TOKENS
         self.sample_step = 0
         log.info("cp_attention PCP model runner: pcp rank %d/%d, token check %s",
                  self.pcp_group.rank_in_group, self.pcp_group.world_size,
@@ -166,4 +165,4 @@ class PCPCPUModelRunner(CPUModelRunner):
             if theirs != everyone[0]:
                 raise PCPTokenMismatch(
                     f"step {self.sample_step}: PCP ranks 0 and {other} sampled different tokens "
-                    f"({everyone[0]} vs {theirs}); {ENV_CHECK_TOKENS}=1")
+                    f"({everyone[0]} vs {theirs}); CP_ATTENTION_VLLM_CHECK_TOKENS=1")

@@ -15,17 +15,16 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
 import torch.distributed as dist
 from vllm.distributed.parallel_state import GroupCoordinator, get_pcp_group
 
+from cp_attention import envs
 from cp_attention.comm import AllGatherInto, Communicator
 from cp_attention.integrations.vllm import LOGGER_NAME
 
 log = logging.getLogger(LOGGER_NAME)
-ENV_SHM = "CP_ATTENTION_VLLM_SHM"  # "0": the PCP exchange stays on gloo
 # shared-memory group name -> its all-gather, None where the group's ranks disagree on the name
 _MANAGERS: dict[str, AllGatherInto | None] = {}
 
@@ -41,9 +40,9 @@ def pcp_communicator() -> Communicator:
     CPU worker (its ``_C`` ops loaded, ``VLLM_DIST_IDENT`` set) and PCP has two or more ranks;
     gloo otherwise."""
     comm = Communicator()
-    if os.environ.get(ENV_SHM, "1") == "0":
+    if not envs.CP_ATTENTION_VLLM_SHM:
         return comm
-    if not hasattr(torch.ops._C, "shm_all_gather") or "VLLM_DIST_IDENT" not in os.environ:
+    if not hasattr(torch.ops._C, "shm_all_gather") or envs.VLLM_DIST_IDENT is None:
         log.info("cp_attention: the PCP exchange runs on gloo (no vLLM CPU shared memory ops)")
         return comm
     group = get_pcp_group()  # read only inside a vLLM worker (VLLM_DIST_IDENT set)
@@ -59,7 +58,7 @@ def shm_all_gather(group: GroupCoordinator) -> AllGatherInto | None:
     """The shared-memory all-gather of ``group``, or None where its ranks do not share one
     shared-memory name (made once per process; collective)."""
     ranks = "-".join(map(str, group.ranks))
-    name = f"{os.environ['VLLM_DIST_IDENT']}-cp_attention-pcp-[{ranks}]-cpushm"
+    name = f"{envs.VLLM_DIST_IDENT}-cp_attention-pcp-[{ranks}]-cpushm"
     if name not in _MANAGERS:
         names: list[str] = [""] * group.world_size
         dist.all_gather_object(names, name, group=group.cpu_group)
