@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 KV_SHARD_POLICIES = ("cp", "dcp")
+WINDOW_CACHES = ("all", "window")
 
 
 def is_int(value) -> bool:
@@ -29,6 +30,10 @@ class CPConfig:
     TP ranks that share a KV head and split its query heads.
     decode_threshold: a request with context and at most this many new tokens is a decode
     (1 + number of speculative tokens).
+    window_cache: what a sliding-window layer's PCP prefill writes to the cache: "all" every
+    token of the shard (a prefix-cache hit may read any), "window" only each prefill's last
+    ``window - 1`` tokens, all that a later step of the same request reads (for deployments
+    without prefix caching; the PCP exchange then moves only the windows' halos).
     """
 
     pcp_size: int = 1
@@ -38,6 +43,7 @@ class CPConfig:
     cp_kv_interleave_size: int = 1
     kv_shard: str = "cp"
     decode_threshold: int = 1
+    window_cache: str = "all"
 
     def __post_init__(self) -> None:
         for name in ("pcp_size", "dcp_size", "tp_size", "block_size", "cp_kv_interleave_size",
@@ -53,6 +59,9 @@ class CPConfig:
                              f"cp_kv_interleave_size ({self.cp_kv_interleave_size})")
         if self.kv_shard not in KV_SHARD_POLICIES:
             raise ValueError(f"kv_shard must be one of {KV_SHARD_POLICIES}, got {self.kv_shard!r}")
+        if self.window_cache not in WINDOW_CACHES:
+            raise ValueError(f"window_cache must be one of {WINDOW_CACHES}, got "
+                             f"{self.window_cache!r}")
 
     @property
     def world_size(self) -> int:

@@ -18,7 +18,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cp_attention.config import CPConfig
+import torch
+
+from cp_attention.config import CPConfig, CPRanks
+from cp_attention.metadata.builder import CPMetadataBuilder
+from cp_attention.metadata.common import StepSpec
 from cp_attention.testing.workload import RankReport, Workload
 
 pytestmark = pytest.mark.distributed
@@ -148,6 +152,40 @@ def test_kv_shard_dcp_without_dcp(pools):
     w = Workload(cfg, num_heads=4, num_kv_heads=4, seed=9,
                  steps=(((0, 45), (1, 2)), ((0, 1), (1, 1), (2, 12)), ((0, 5), (1, 1), (2, 1))))
     run_and_check(pools, w)
+
+
+# --------------------------------------------------------------------------------------------
+# Sliding window: the window-aware exchange (halos and the shard's rows, not the all-gather)
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("pcp, window, kv_shard, window_cache", [
+    (2, 5, "cp", "all"),  # a window inside a chunk
+    (2, 5, "dcp", "window"),
+    (2, 70, "cp", "window"),  # a window over several chunks
+    (2, 70, "dcp", "all"),
+    (4, 9, "cp", "window"),
+    (4, 33, "dcp", "all"),
+    (4, 33, "cp", "all"),
+])
+def test_window_exchange(pools, pcp, window, kv_shard, window_cache):
+    """Prompts shorter than 2 pcp, of one token and longer than the window; then a chunk over
+    cached context beside decodes and a new prompt; then decodes (every later read of the
+    window is exact, whichever rows the cache kept). Step 0 moves only the window exchange:
+    (pcp - 1) equal parts of the plan's rows, less than the all-gather's."""
+    cfg = CPConfig(pcp_size=pcp, kv_shard=kv_shard, window_cache=window_cache)
+    steps = (((0, 2 * pcp - 1), (1, 1), (2, 150), (3, 37)),
+             ((0, 1), (1, 1), (2, 61), (3, 1), (4, 23)),
+             ((0, 1), (1, 1), (2, 1), (3, 1), (4, 1)))
+    w = Workload(cfg, steps, num_heads=4, num_kv_heads=2, head_size=16, seed=pcp + window,
+                 sliding_window=window)
+    reports = run_and_check(pools, w)
+    builder = CPMetadataBuilder(cfg, CPRanks(), sliding_window=window)
+    spec = StepSpec((0,) * 4, tuple(n for _, n in steps[0]),
+                    torch.zeros(4, 16, dtype=torch.int32))
+    rows = len(builder.build(spec).window_send_idx)
+    local_rows = 2 * sum(-(-n // (2 * pcp)) for _, n in steps[0])
+    assert rows < local_rows
+    for rep in reports:
+        assert rep.comm_bytes_per_step[0] == (pcp - 1) * rows * 2 * 2 * 16 * 4
 
 
 # --------------------------------------------------------------------------------------------

@@ -488,3 +488,95 @@ def test_prefill_real_kv_idx_picks_the_real_step_rows(reqs, pcp):
         assert [step_rows[i] for i in idx] == [t for t in step_rows[len(decodes):] if t != PAD]
         assert lst(meta.prefill_real_cu_seqlens)[-1] == len(idx)
         assert len(meta.step_slot_mapping) == len(step_rows)
+
+
+# --------------------------------------------------------------------------------------------
+# The window-aware exchange (sliding-window layers): a simulated exchange of token ids
+# --------------------------------------------------------------------------------------------
+def expected_window_keys(reqs: list[Req], pcp: int, rank: int, window: int) -> list[list[int]]:
+    """Per local chunk (prefill-major, head then tail): the step tokens (PAD for pads) at
+    positions [max(0, k c - (window - 1)), k c + c), no halo for a chunk of pads only."""
+    segments = []
+    for off, r in zip(token_offsets(reqs), reqs):
+        if r.is_decode:
+            continue
+        c = chunk_of(r, pcp)
+        for chunk in (rank, 2 * pcp - 1 - rank):
+            start = chunk * c
+            lo = start if start >= r.new else max(0, start - (window - 1))
+            segments.append([off + p if p < r.new else PAD for p in range(lo, start + c)])
+    return segments
+
+
+def expected_window_writes(reqs: list[Req], cfg: CPConfig, shard: int, window: int,
+                           keep: str) -> list[int]:
+    """Step tokens of the prefills a rank writing ``shard`` stores, in request order."""
+    tokens = []
+    for off, r in zip(token_offsets(reqs), reqs):
+        if r.is_decode:
+            continue
+        first = 0 if keep == "all" else max(0, r.new - (window - 1))
+        inter, world = cfg.cp_kv_interleave_size, cfg.kv_world
+        tokens += [off + p for p in range(first, r.new)
+                   if ((r.computed + p) // inter) % world == shard]
+    return tokens
+
+
+@settings(**SETTINGS)
+@given(reqs=batches(), pcp=st.sampled_from(PCP_SIZES), window=st.integers(1, 400),
+       kv_shard=st.sampled_from(["cp", "dcp"]), keep=st.sampled_from(["all", "window"]),
+       interleave=st.sampled_from([1, 16]))
+def test_window_exchange_brings_each_chunks_halo_and_the_shards_rows(reqs, pcp, window,
+                                                                     kv_shard, keep, interleave):
+    cfg = CPConfig(pcp_size=pcp, kv_shard=kv_shard, window_cache=keep,
+                   cp_kv_interleave_size=interleave)
+    step, metas = build_all(reqs, cfg, window=window)
+    if all(r.is_decode for r in reqs):
+        assert all(m.window_send_idx is None for m in metas.values())
+        return
+    local = {r: metas[(r, 0)].local_token_idx[metas[(r, 0)].num_decode_tokens:]
+             for r in range(pcp)}
+    sizes = {len(metas[(r, 0)].window_send_idx) for r in range(pcp)}
+    assert len(sizes) == 1  # equal parts: one all-gather
+    gathered = torch.cat([local[r][metas[(r, 0)].window_send_idx] for r in range(pcp)])
+    for rank in range(pcp):
+        meta = metas[(rank, 0)]
+        source = torch.cat([local[rank], gathered])
+        keys = source[meta.window_key_idx]
+        cu = lst(meta.window_key_cu_seqlens)
+        got = [lst(keys[a:b]) for a, b in zip(cu[:-1], cu[1:])]
+        assert got == expected_window_keys(reqs, pcp, rank, window)
+        # each chunk's queries are its own c rows, the last of its keys (bottom-right causal)
+        q_cu = lst(meta.local_chunk_cu_seqlens)
+        assert [s[len(s) - (b - a):] for s, a, b in zip(got, q_cu[:-1], q_cu[1:])] == \
+            [lst(local[rank][a:b]) for a, b in zip(q_cu[:-1], q_cu[1:])]
+        shard = cfg.kv_rank(rank, 0)
+        written = source[meta.window_write_idx]
+        assert lst(written) == expected_window_writes(reqs, cfg, shard, window, keep)
+        # their slots are the step's: this shard's slot of each written token
+        slots = meta.step_slot_mapping[meta.num_decode_tokens:]
+        restored = torch.tensor(expected_restored(reqs, pcp))
+        slot_of = {t: s for t, s in zip(lst(restored), lst(slots)) if t != PAD}
+        assert lst(meta.window_write_slots) == [slot_of[t] for t in lst(written)]
+        assert all(s >= 0 for s in lst(meta.window_write_slots))
+
+
+@pytest.mark.parametrize("shape, window", [((1, 256), 512), ((8, 64), 128)])  # Gemma 3, GPT-OSS
+@pytest.mark.parametrize("kv_shard", ["cp", "dcp"])
+def test_window_exchange_bytes_at_32k(shape, window, kv_shard):
+    """At 32k tokens and pcp=2 the window exchange of a layer whose cache keeps only the
+    window sends at most 1/8 of the all-gather's rows (halos + the last window - 1 rows);
+    keeping every row ("all") it sends the rows the other rank's shard stores, plus the halo
+    rows that shard does not store (every other one)."""
+    tokens = 32 * 1024
+    rows = {}
+    for keep in ("all", "window"):
+        cfg = CPConfig(pcp_size=2, kv_shard=kv_shard, window_cache=keep, block_size=128)
+        _, metas = build_all([Req(0, tokens)], cfg, window=window)
+        rows[keep] = {len(m.window_send_idx) for m in metas.values()}.pop()
+    all_gather = tokens // 2  # each rank's local rows
+    halo = window - 1
+    assert rows["window"] <= all_gather / 8
+    assert rows["window"] <= 2 * halo  # rank 1's head halo and rank 0's tail's; the last rows
+    expected_all = all_gather if kv_shard == "dcp" else all_gather // 2 + (halo + 1) // 2
+    assert rows["all"] == expected_all

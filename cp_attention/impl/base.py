@@ -97,13 +97,14 @@ class BaseAttentionImpl:
     def _attention(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         """The general plan: out [rows, Hq, D] of the local rows q [rows, Hq, D]."""
         # 1, 2. gather the step's K/V over PCP; self part: local rows over the step's new tokens
-        (out, lse), step_kv = self_attention(self.ops, self.comm, q, k, v, meta, self.pcp_group,
-                                             self.scale, self.causal, self.sliding_window)
+        (out, lse), (step_k, step_v, slots) = self_attention(
+            self.ops, self.comm, q, k, v, meta, self.pcp_group, self.scale, self.causal,
+            self.sliding_window)
         if self.attn_type != "decoder":  # encoder-only: no cache, no context (checked)
             return out
         # 3. write cache: the step rows' K/V on this rank's shard
         key_cache, value_cache = kv_cache.unbind(0)
-        self.ops.reshape_and_cache(*step_kv, key_cache, value_cache, meta.step_slot_mapping)
+        self.ops.reshape_and_cache(step_k, step_v, key_cache, value_cache, slots)
         if not meta.has_context:
             return out
         # 4, 5. context part: the local rows over every KV shard of their cached context

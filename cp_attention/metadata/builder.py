@@ -26,6 +26,7 @@ from cp_attention.metadata.checks import validate_ranks, validate_step
 from cp_attention.metadata.common import StepSpec, cumsum0, decode_mask, ranges_concat
 from cp_attention.metadata.kv_layout import KVSharding
 from cp_attention.metadata.pcp import HeadTail, PrefillPartition
+from cp_attention.metadata.window import window_exchange_plan
 
 
 @dataclass
@@ -67,6 +68,14 @@ class AttentionMetadata:
     chunk_keys_before: torch.Tensor | None = None  # [m, P] restored keys before each chunk
     pcp_allgather_restore_idx: torch.Tensor | None = None  # [pcp m sum c] gathered -> restored
     pcp_allgather_scatter_idx: torch.Tensor | None = None  # inverse: restored -> gathered
+    # PCP with a sliding window (:mod:`~cp_attention.metadata.window`): instead of the
+    # all-gather, each rank receives its chunks' halos and the rows its shard writes; source
+    # rows = local prefill rows, then the exchange's pcp parts of S rows
+    window_send_idx: torch.Tensor | None = None  # [S] local prefill rows this rank sends
+    window_key_idx: torch.Tensor | None = None  # [keys] source row of each local chunk's keys
+    window_key_cu_seqlens: torch.Tensor | None = None  # [m P + 1] keys of each local chunk
+    window_write_idx: torch.Tensor | None = None  # [writes] source rows written to the cache
+    window_write_slots: torch.Tensor | None = None  # [writes] their slots on this shard
     # decode-only step (no prefill row, so no query is gathered over PCP): the layer writes
     # the step's K/V first, then each row attends this rank's shard alone in one paged call
     # (no self part, no merge; shards' partials combined as context ones). Block table and
@@ -302,6 +311,9 @@ class MetadataBuilder:
         self.kv_rank = self.config.kv_rank(self.ranks.pcp_rank, self.ranks.dcp_rank)
         self.sharding = KVSharding.of(self.config)
         self.partition = HeadTail(self.config.pcp_size) if self.config.pcp_size > 1 else None
+        # [pcp] the KV shard each PCP rank of this rank's group writes
+        self.pcp_kv_ranks = np.array([self.config.kv_rank(p, self.ranks.dcp_rank)
+                                      for p in range(self.config.pcp_size)])
 
     def build_for_graph_capture(self, num_tokens: int, max_blocks: int = 1) -> AttentionMetadata:
         """Metadata of a dummy decode-only batch of ``num_tokens`` requests (graph capture)."""
@@ -352,6 +364,12 @@ class MetadataBuilder:
         # sharded over PCP ranks (every rank then attends its shard; partials merged over PCP)
         one_pass = (single_pass(dec_rows, step, self.sliding_window, self.sharding, self.kv_rank)
                     if num_dec == step.num_reqs else {})
+        exchange = {}
+        if self.sliding_window is not None and self.partition is not None and len(prefills):
+            exchange = window_exchange_plan(
+                self.partition, self.partition.chunk_lens(new_lens), new_lens,
+                step.computed[prefills], self.sliding_window, self.sharding, self.pcp_kv_ranks,
+                self.ranks.pcp_rank, slots[num_dec_rows:], cfg.window_cache)
 
         return AttentionMetadata(
             decode_reqs=decodes,
@@ -379,6 +397,7 @@ class MetadataBuilder:
             pcp_rank=self.ranks.pcp_rank,
             **pre.pcp_fields,
             **one_pass,
+            **exchange,
         )
 
     def _check_block_table(self, seq_lens: np.ndarray, block_table: np.ndarray) -> None:

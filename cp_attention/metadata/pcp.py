@@ -36,10 +36,10 @@ class PrefillPartition(ABC):
         if not np.array_equal(np.sort(table, axis=None), np.arange(table.size)):
             raise ValueError(f"{type(self).__name__}: each chunk must have exactly one rank")
         # the ownership table inverted: [num_chunks] the rank that keeps each chunk, and where
-        self._rank_of_chunk = np.empty(self.num_chunks, dtype=np.int64)
-        self._slot_of_chunk = np.empty(self.num_chunks, dtype=np.int64)
-        self._rank_of_chunk[table] = np.arange(pcp_size)[:, None]
-        self._slot_of_chunk[table] = np.arange(self.chunks_per_rank)[None, :]
+        self.rank_of_chunk = np.empty(self.num_chunks, dtype=np.int64)
+        self.slot_of_chunk = np.empty(self.num_chunks, dtype=np.int64)
+        self.rank_of_chunk[table] = np.arange(pcp_size)[:, None]
+        self.slot_of_chunk[table] = np.arange(self.chunks_per_rank)[None, :]
 
     @abstractmethod
     def chunk_lens(self, new_lens: np.ndarray) -> np.ndarray:
@@ -77,8 +77,8 @@ class PrefillPartition(ABC):
         """
         c, m = chunk_lens, self.chunks_per_rank
         cu = cumsum0(c) if cu is None else cu
-        starts = c[:, None] * self._slot_of_chunk  # [P, num_chunks]
-        starts += self._rank_of_chunk * (m * int(cu[-1]))
+        starts = c[:, None] * self.slot_of_chunk  # [P, num_chunks]
+        starts += self.rank_of_chunk * (m * int(cu[-1]))
         starts += (m * cu[:-1])[:, None]
         return starts
 
