@@ -6,7 +6,11 @@ Two sources, labelled in the JSON:
     shapes (they must agree exactly) and with the lower bound ``(N-1)/N x KV bytes``;
   * ``formula``: ``cp_attention.costmodel`` byte formulas at large sizes (llama3-70b shape,
     bf16, tp=8, per layer): prefill 4k..1M tokens and decode context 1k..1M, next to what
-    gathering the sharded context every step would cost.
+    gathering the sharded context every step would cost;
+  * ``window``: a sliding-window layer's PCP exchange (the planner's rows, ``metadata/
+    window.py``) against the all-gather's, for the Gemma 3 270M shape (1 KV head of 256,
+    window 512) and a GPT-OSS shape (8 KV heads of 64, window 128), prompts 8k..128k, both
+    KV-shard policies and both window caches; measured on 4 gloo ranks (pcp=2 x tp=2).
 
     python -m benchmarks.bench_comm --out results/
 """
@@ -15,13 +19,17 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import torch
+
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (human_tokens, new_figure, parse_args, save_figure, series_colors,
                                token_ticks, write_json)
 from cp_attention import costmodel
-from cp_attention.config import CPConfig
+from cp_attention.config import CPConfig, CPRanks
+from cp_attention.metadata.builder import CPMetadataBuilder
+from cp_attention.metadata.common import StepSpec
 from cp_attention.testing.pool import RankPool
 from cp_attention.testing.workload import Workload
 
@@ -30,6 +38,62 @@ WORLD = 4
 # (pcp, tp, dcp, num_kv_heads) on 4 ranks; num_heads = 8, head_size = 32, fp32
 REAL_CONFIGS = ((4, 1, 1, 2), (2, 2, 1, 2), (2, 2, 2, 1), (1, 4, 2, 1), (1, 4, 4, 1))
 BIG_MODEL = "llama3-70b"
+# (name, KV heads per rank, head size, window): the window layers of real hybrid models
+WINDOW_SHAPES = (("gemma3-270m", 1, 256, 512), ("gpt-oss", 8, 64, 128))
+
+
+def window_exchange_rows(tokens: int, pcp: int, window: int, kv_shard: str,
+                         window_cache: str) -> tuple[int, int]:
+    """(rows each rank sends in the window exchange, in the all-gather) for one prompt."""
+    cfg = CPConfig(pcp_size=pcp, kv_shard=kv_shard, window_cache=window_cache, block_size=128)
+    blocks = -(-tokens // (cfg.block_size * cfg.kv_world))
+    step = StepSpec((0,), (tokens,), torch.arange(blocks, dtype=torch.int32)[None])
+    meta = CPMetadataBuilder(cfg, CPRanks(), sliding_window=window).build(step)
+    return len(meta.window_send_idx), meta.num_local_prefill_rows
+
+
+def formula_window(prompts, pcps) -> list[dict]:
+    """Window exchange vs all-gather bytes per rank per layer (bf16), from the planner."""
+    rows = []
+    for name, kv_heads, head_size, window in WINDOW_SHAPES:
+        for pcp in pcps:
+            for kv_shard in ("cp", "dcp"):
+                for cache in ("all", "window"):
+                    for tokens in prompts:
+                        sent, local = window_exchange_rows(tokens, pcp, window, kv_shard, cache)
+                        row_bytes = (pcp - 1) * 2 * kv_heads * head_size * 2  # K and V, bf16
+                        rows.append({"model": name, "window": window, "pcp": pcp,
+                                     "kv_shard": kv_shard, "window_cache": cache,
+                                     "prompt": tokens, "window_bytes": sent * row_bytes,
+                                     "all_gather_bytes": local * row_bytes,
+                                     "ratio": sent / local})
+    return rows
+
+
+def measured_window(prompt: int, pool: RankPool) -> list[dict]:
+    """Communicator bytes of a window layer's prefill on 4 gloo ranks (pcp=2 x tp=2, the KV
+    heads split or replicated over tp) vs the planner's."""
+    rows = []
+    pcp, tp = 2, 2
+    for name, kv_heads, head_size, window in WINDOW_SHAPES:
+        kv_per_rank = max(1, kv_heads // tp)
+        for kv_shard, cache in (("cp", "all"), ("cp", "window"), ("dcp", "window")):
+            cfg = CPConfig(pcp_size=pcp, tp_size=tp, kv_shard=kv_shard, window_cache=cache,
+                           block_size=128)
+            w = Workload(cfg, (((0, prompt),), ((0, 1),)), num_heads=max(tp, kv_heads),
+                         num_kv_heads=kv_heads, head_size=head_size, sliding_window=window)
+            reports = pool.run("cp_attention.testing.workload.run_workload_task", w,
+                               timeout_s=300)
+            sent, local = window_exchange_rows(prompt, pcp, window, kv_shard, cache)
+            row_bytes = (pcp - 1) * 2 * kv_per_rank * head_size * 4  # fp32
+            rows.append({"model": name, "pcp": pcp, "tp": tp, "kv_shard": kv_shard,
+                         "window_cache": cache, "prompt": prompt,
+                         "bytes_measured_per_rank": [r.comm_bytes_per_step[0] for r in reports],
+                         "bytes_planned": sent * row_bytes,
+                         "all_gather_bytes": local * row_bytes,
+                         "max_err_vs_fp64": max(r.max_err for r in reports),
+                         "cache_exact": all(r.cache_exact for r in reports)})
+    return rows
 
 
 def real_runs(prompts: tuple[int, int], decode_steps: int, pool: RankPool) -> list[dict]:
@@ -92,6 +156,7 @@ def run(out_dir: str | Path, quick: bool = False) -> dict:
     prompts = (40, 13) if quick else (1000, 333)
     with RankPool(WORLD) as pool:
         real = real_runs(prompts, 1 if quick else 2, pool)
+        window_real = measured_window(1000 if quick else 4000, pool)
     big_prompts = (4096, 65536) if quick else (4096, 16384, 65536, 262144, 1048576)
     contexts = (1024, 65536) if quick else (1024, 4096, 16384, 65536, 262144, 1048576)
     payload = {
@@ -107,7 +172,16 @@ def run(out_dir: str | Path, quick: bool = False) -> dict:
                            formula_decode(contexts, ((1, 2), (1, 4), (1, 8), (2, 1), (2, 8),
                                                      (4, 8)))},
     }
-    payload["all_formulas_match_measurement"] = all(r["formula_matches"] for r in real)
+    payload["window"] = {
+        "source": "rows of the window exchange (CPMetadataBuilder with sliding_window) vs the "
+                  "all-gather's local rows, K and V in bf16, bytes sent per rank per layer "
+                  "(ring accounting); window_cache 'all' writes every token of the shard, "
+                  "'window' only each prefill's last window - 1",
+        "rows": formula_window((8192, 32768) if quick else (8192, 16384, 32768, 131072),
+                               (2, 4)),
+        "measured": window_real}
+    payload["all_formulas_match_measurement"] = all(r["formula_matches"] for r in real) and all(
+        set(r["bytes_measured_per_rank"]) == {r["bytes_planned"]} for r in window_real)
     write_json(out_dir, NAME, payload)
     _plot(payload, out_dir)
     return payload
@@ -162,6 +236,14 @@ def main(argv: list[str] | None = None) -> None:
               f" bound {r['prefill_lower_bound']:.0f}, x{r['prefill_over_bound'] or 0:.4f}); decode "
               f"{max(r['decode_bytes_measured_per_rank'])} B (formula {r['decode_bytes_formula']}); "
               f"match={r['formula_matches']} err={r['max_err_vs_fp64']:.1e}")
+    for r in payload["window"]["measured"]:
+        print(f"window {r['model']} pcp={r['pcp']} tp={r['tp']} {r['kv_shard']}/"
+              f"{r['window_cache']}: measured {r['bytes_measured_per_rank']} B, planned {r['bytes_planned']}, "
+              f"all-gather {r['all_gather_bytes']} err={r['max_err_vs_fp64']:.1e}")
+    for r in payload["window"]["rows"]:
+        if r["prompt"] == 32768:
+            print(f"window {r['model']} pcp={r['pcp']} {r['kv_shard']}/{r['window_cache']} 32k: "
+                  f"{r['ratio']:.4f} of the all-gather's bytes")
     for r in payload["formula_prefill"]["rows"]:
         print(f"formula pcp={r['pcp']} prompt={human_tokens(r['prompt'])}: x{r['over_bound']:.5f} of bound")
 

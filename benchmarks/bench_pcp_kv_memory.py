@@ -48,13 +48,12 @@ HQ, HKV, HEAD_SIZE, DTYPE = 8, 8, 128, torch.bfloat16
 
 
 def _gathering_chunk_attention(ops, q_part, k_pre, v_pre, cu_q, restored_cu, keys_before,
-                               scale, window):
+                               scale):
     """The unmasked part before seqused_k: gathered copies of the keys before the chunk."""
-    used = keys_before + cu_q.diff() if window is not None else keys_before
-    idx = torch.from_numpy(ranges_concat(restored_cu[:-1].numpy(), used.numpy()))
+    idx = torch.from_numpy(ranges_concat(restored_cu[:-1].numpy(), keys_before.numpy()))
     idx = idx.to(q_part.device)
-    return ops.varlen_attention(q_part, k_pre[idx], v_pre[idx], cu_q, cumsum0_t(used),
-                                scale=scale, causal=window is not None, window=window)
+    return ops.varlen_attention(q_part, k_pre[idx], v_pre[idx], cu_q, cumsum0_t(keys_before),
+                                scale=scale, causal=False)
 
 
 def cumsum0_t(lengths: torch.Tensor) -> torch.Tensor:

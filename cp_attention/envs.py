@@ -36,8 +36,9 @@ def parse_bool(name: str, raw: str) -> bool:
 
 
 def _choice(*values: str) -> Callable[[str, str], str]:
+    """One of ``values``, the first when empty."""
     def parse(name: str, raw: str) -> str:
-        value = raw.strip().lower()
+        value = raw.strip().lower() or values[0]
         if value not in values:
             raise EnvError(f"{name}={raw!r} must be one of {', '.join(repr(v) for v in values)}")
         return value

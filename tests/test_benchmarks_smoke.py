@@ -54,6 +54,15 @@ def test_comm(out):
     for combo in {(r["pcp"], r["dcp"]) for r in decode}:
         sizes = {r["bytes_per_layer"] for r in decode if (r["pcp"], r["dcp"]) == combo}
         assert len(sizes) == 1 and sizes.pop() > 0  # flat in context length
+    for r in data["window"]["measured"]:  # the planner's bytes, moved on real ranks
+        assert r["cache_exact"] and r["max_err_vs_fp64"] < 1e-4
+        assert r["bytes_measured_per_rank"] == [r["bytes_planned"]] * 4
+        assert r["bytes_planned"] <= r["all_gather_bytes"]
+    at_32k = {(r["model"], r["kv_shard"], r["window_cache"]): r["ratio"]
+              for r in data["window"]["rows"] if r["pcp"] == 2 and r["prompt"] == 32768}
+    for model in ("gemma3-270m", "gpt-oss"):  # issue 36's goal: at most 1/8 of the all-gather
+        assert at_32k[(model, "cp", "window")] <= 1 / 8 and at_32k[(model, "dcp", "window")] <= 1 / 8
+        assert at_32k[(model, "dcp", "all")] == 1.0  # every rank stores every token
 
 
 @pytest.mark.distributed

@@ -41,6 +41,8 @@ def test_defaults_when_unset(monkeypatch):
 def test_choice_and_path(monkeypatch):
     monkeypatch.setenv("CP_ATTENTION_OPS", " Reference ")
     assert envs.CP_ATTENTION_OPS == "reference"
+    monkeypatch.setenv("CP_ATTENTION_OPS", "")
+    assert envs.CP_ATTENTION_OPS == "auto"
     monkeypatch.setenv("CP_ATTENTION_OPS", "fast")
     with pytest.raises(envs.EnvError, match=r"^CP_ATTENTION_OPS='fast' must be one of 'auto', "):
         envs.CP_ATTENTION_OPS
