@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks import cpu_limits
-from benchmarks.common import new_figure, parse_args, save_figure, write_json
+from benchmarks.common import cpu_model, new_figure, parse_args, save_figure, write_json
 from cp_attention.backend import CPAttentionBackend
 from cp_attention.config import CPConfig, CPRanks
 from cp_attention.metadata.common import StepSpec
@@ -340,19 +340,6 @@ def matrix_cases(quick: bool) -> list[tuple[Case, bool]]:
                     rows.append((Case(f"prefill S={s // 1024}k {hq}/{hkv} D={d} {dt}", "prefill",
                                       1, s, hq, hkv, d, dt), False))
     return rows
-
-
-def cpu_model() -> str:
-    """The CPU's model name, family and model number (from /proc/cpuinfo)."""
-    fields = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        return "unknown"
-    return (f"{fields.get('model name', '?')} (family {fields.get('cpu family', '?')} model "
-            f"{fields.get('model', '?')})")
 
 
 def _skip_reason(case: Case, max_kv_gib: float, max_prefill_tflop: float) -> str | None:

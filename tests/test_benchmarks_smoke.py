@@ -283,3 +283,27 @@ def test_engine_env_drops_the_callers_vllm_settings(monkeypatch):
     env = engine_env(CP_ATTENTION_VLLM="1")
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and "CP_ATTENTION_VLLM_SHM" not in env
     assert env["CP_ATTENTION_VLLM"] == "1" and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+
+
+def test_run_all_knows_every_benchmark():
+    """Every benchmarks/bench_*.py is run by run_all (bench_cpu_ops twice: its table and its
+    --matrix) and has a results page whose method section exists in docs/performance.md."""
+    from benchmarks import pages, run_all
+    from benchmarks.common import REPO_ROOT
+    modules = {p.stem for p in (REPO_ROOT / "benchmarks").glob("bench_*.py")}
+    assert {b.module for b in run_all.BENCHMARKS} == modules
+    assert {p.name for p in pages.PAGES} == set(run_all.ORDER)
+    assert run_all.ORDER.index("bench_speed") < run_all.ORDER.index("bench_cost_model")
+    for page in pages.PAGES:
+        assert pages.method_anchor(page.method)
+
+
+def test_results_pages_are_generated_from_the_committed_json():
+    """results/<page>.md is what ``run_all --pages-only`` writes from the JSON in results/
+    (after a benchmark run or a new JSON: ``python -m benchmarks.run_all --pages-only``)."""
+    from benchmarks import pages
+    from benchmarks.common import REPO_ROOT
+    results = REPO_ROOT / "results"
+    for page in pages.PAGES:
+        assert (results / f"{page.name}.md").read_text() == pages.render(page, results), page.name
+    assert (results / "README.md").read_text() == pages.index(results)
