@@ -39,7 +39,7 @@ constexpr ScoreBase kBase = ScoreBase::kNatural;  // scores q . k * scale
 constexpr int kKeyLaneRows = 4;  // items of at most this many rows per KV head: keys on lanes
 
 // Reads entries of an int32 or int64 index tensor (1-D or 2-D) without converting it (vLLM
-// passes int32; a conversion per call is a sizeable share of a short decode call: results/history.md section 15).
+// passes int32; converting costs a share of a short decode: results/history.md section 15).
 struct IndexTable {
   const void* data = nullptr;  // null: no tensor (at() must not be called)
   bool is_int32 = false;
@@ -227,8 +227,7 @@ class TilePrefetcher {
 // scores[j] (lane i) = sum_d q_t[d][i] * K_j[d] for the n keys K_j = keys + j * key_stride.
 // Steps `prefetch` once per d and key block (enough for a tile of its dtype's rows).
 // kStride > 0: key_stride is kStride, so the 8 keys of a block are immediate offsets from one
-// pointer (a runtime stride needs 8 pointers, more than the free registers, which spill;
-// results/history.md section 15).
+// pointer (a runtime stride needs 8 pointers, which spill: results/history.md section 15).
 template <int64_t kStride>
 CP_INLINE void qk_tile_strided(const float* q_t, const float* keys, int64_t runtime_stride,
                                int n, int64_t dim, vf8* scores, TilePrefetcher& prefetch) {
@@ -390,7 +389,7 @@ CP_INLINE void qk_dot(const float* q_rows, int rows, const key_t* keys, int64_t 
 // A bf16 query against a bf16 cache: vdpbf16ps multiplies pairs of bf16 exactly and adds them
 // in float32, where the float32 path widens every K element first (two instructions per 8).
 // The query is not pre-scaled (scale * q would be rounded to bf16): the scores are scaled.
-// Used where the build and the CPU allow it (CP_HAS_BF16_DOT, pb.bf16_dot; results/history.md section 15).
+// Where build and CPU allow it (CP_HAS_BF16_DOT, pb.bf16_dot; results/history.md section 15).
 #if CP_HAS_BF16_DOT
 // Lane j * R + r = q_r . K_j for R rows of bf16 bits and J bf16 keys: vdpbf16ps, two exact
 // products per lane and instruction (no widening of K), dim % 16 == 0. Steps `prefetch` once
@@ -617,7 +616,7 @@ constexpr int key_lane(int k) { return (k / J) * kLanes + (k % J) * R + r; }
 
 // Row r's scores of 8 keys along the lanes from the kLanes / J blocks `d` of qk_dots<R, J>
 // (in-register shuffles: row vectors stored whole, so the softmax's vector loads are forwarded
-// from the stores instead of gathering 8 scalar stores each; with softmax_key_vecs: results/history.md section 15).
+// from the stores instead of gathering 8 scalar stores each; results/history.md section 15).
 template <int R, int r>
 CP_INLINE vf8 key_row(const vf8* d) {
   if constexpr (R == 1) {
@@ -803,7 +802,8 @@ CP_INLINE void attend_key_lanes(const PagedProblem& pb, Scratch& s, int64_t h, i
                  value_stride, n);
 }
 
-// Not inlined into the work queue's loop, where the fp32 decode ran slower (results/history.md section 15).
+// Not inlined into the work queue's loop, where the fp32 decode ran slower
+// (results/history.md section 15).
 // kKeyRows: the item's rows per KV head when they are at most kKeyLaneRows
 // (attend_key_lanes), else 0 (attend_tile: lane groups of one row per lane).
 template <typename scalar_t, int kKeyRows>
@@ -892,7 +892,8 @@ __attribute__((noinline)) void run_item(const PagedProblem& pb, const WorkItem& 
         // One row per KV head (MHA decode) does the least arithmetic per byte: the span of
         // all heads per key, prefetched key by key, reaches the next tile's first heads too
         // late. Head h's turn prefetches the next tile's rows of head h, in the order they
-        // are read; GQA items, where the span order was faster, keep it (results/history.md section 15).
+        // are read; GQA items, where the span order was faster, keep it (results/history.md
+        // section 15).
         if (heads > 1 && tile.n > 0) prefetch = TilePrefetcher(pb, head_rows(pb, tile, h), 1);
       }
       if constexpr (kKeyRows > 0) {

@@ -149,7 +149,8 @@ inline void micro_kernel_bf16(const c10::BFloat16* __restrict keys, int64_t k_rs
 }
 
 // Block of the bf16 micro-kernel: 8 keys x 3 vectors of query columns, 24 accumulators (and 3
-// Q vectors and a broadcast) of the 32 registers every avx512_bf16 CPU has (results/history.md section 15).
+// Q vectors and a broadcast) of the 32 registers every avx512_bf16 CPU has (results/history.md
+// section 15).
 constexpr int kDotKeys = 8;
 constexpr int kDotVecs = 3;
 
