@@ -58,7 +58,8 @@ PAGES = (
     Page("bench_cpu_ops", "CPU ops vs vLLM's CPU_ATTN kernel", 10,
          ("bench_cpu_ops.json",),
          "PYTHONPATH=. <vLLM venv>/bin/python -m benchmarks.bench_cpu_ops --out results/",
-         "The shape matrix (`--matrix`) has its own page: [bench_cpu_matrix.md](bench_cpu_matrix.md)."),
+         "The shape matrix (`--matrix`) has its own page: "
+         "[bench_cpu_matrix.md](bench_cpu_matrix.md)."),
     Page("bench_vllm_real", "A real checkpoint in vLLM: TTFT, TPOT, throughput",
          11,
          ("bench_vllm_real.json", "bench_vllm_real_*/bench_vllm_real.json"),
@@ -148,6 +149,13 @@ def _is_rows(value) -> bool:
     return isinstance(value, list) and bool(value) and all(isinstance(v, dict) for v in value)
 
 
+def _is_records(value) -> bool:
+    """A dict of flat dicts (e.g. ``configs``: name -> settings)."""
+    return (isinstance(value, dict) and bool(value)
+            and all(isinstance(v, dict) for v in value.values())
+            and all(not any(isinstance(x, dict) for x in v.values()) for v in value.values()))
+
+
 def body(payload: dict, level: int = 4) -> str:
     """Every field of a JSON payload: scalars as a list, lists of records as tables, dicts of
     records (one key per row) as one table, other dicts recursively."""
@@ -157,9 +165,9 @@ def body(payload: dict, level: int = 4) -> str:
             continue
         if _is_rows(value):
             out.append(f"{'#' * level} `{key}`\n\n{table(value)}")
-        elif isinstance(value, dict) and value and all(isinstance(v, dict) for v in value.values()) \
-                and all(not any(isinstance(x, dict) for x in v.values()) for v in value.values()):
-            out.append(f"{'#' * level} `{key}`\n\n" + table([{"": k, **v} for k, v in value.items()]))
+        elif _is_records(value):  # one row per key
+            rows = [{"": k, **v} for k, v in value.items()]
+            out.append(f"{'#' * level} `{key}`\n\n{table(rows)}")
         elif isinstance(value, dict) and value and _cell(value) is None:
             out.append(f"{'#' * level} `{key}`\n\n{body(value, min(level + 1, 6))}")
         else:
@@ -171,14 +179,22 @@ def body(payload: dict, level: int = 4) -> str:
 def environment(payload: dict) -> str:
     env = payload.get("environment") or {}
     cpu = env.get("cpu") or payload.get("cpu") or "not recorded in this JSON"
-    argv = env.get("argv")
+    argv = [_repo_relative(a) for a in env.get("argv") or []]
     rows = [("date (UTC)", env.get("time_utc", "not recorded")), ("CPU", cpu),
             ("cores (os.cpu_count)", env.get("cpu_count")), ("torch", env.get("torch")),
             ("Python", env.get("python")), ("machine", env.get("machine")),
             ("load average (1 min) at the end", env.get("load_avg_1m")),
-            ("command", " ".join(argv) if argv else None)]
+            ("command line (script path relative to the repository)",
+             " ".join(argv) if argv else None)]
     return "| | |\n|---|---|\n" + "\n".join(f"| {k} | {_fmt(v)} |" for k, v in rows
                                              if v is not None)
+
+
+def _repo_relative(arg: str) -> str:
+    """``/any/checkout/benchmarks/x.py`` -> ``benchmarks/x.py`` (where the run's checkout was
+    is no part of the result)."""
+    head, sep, tail = arg.rpartition("/benchmarks/")
+    return f"benchmarks/{tail}" if sep and head.startswith("/") and tail.endswith(".py") else arg
 
 
 def _extra_markdown(page: Page, payload: dict) -> str:
@@ -192,10 +208,11 @@ def _extra_markdown(page: Page, payload: dict) -> str:
 def render(page: Page, results: Path) -> str:
     files = sorted({p for pattern in page.sources for p in results.glob(pattern)},
                    key=lambda p: _time(p), reverse=True)
+    method = (f"[docs/performance.md section {page.method}]"
+              f"(../docs/performance.md#{method_anchor(page.method)})")
     parts = [GENERATED, f"# {page.title} (`{page.name}`)",
-             f"What it measures and how to read it: [docs/performance.md section {page.method}]"
-             f"(../docs/performance.md#{method_anchor(page.method)}). Hand-written notes on these and earlier "
-             f"runs: [history.md](history.md). Command:\n\n```bash\n{page.command}\n```"]
+             f"What it measures and how to read it: {method}. Hand-written notes on these and "
+             f"earlier runs: [history.md](history.md). Command:\n\n```bash\n{page.command}\n```"]
     if page.notes:
         parts.append(page.notes)
     if not files:
@@ -205,12 +222,13 @@ def render(page: Page, results: Path) -> str:
         payload = json.loads(path.read_text())
         rel = path.relative_to(results).as_posix()
         plots = [p for p in _plots(page, path) if p.exists()]
-        links = ", ".join(f"[{p.relative_to(results).as_posix()}]({p.relative_to(results).as_posix()})"
-                          for p in plots) or "none in `results/`"
-        section = [f"## `{rel}`, run of {(payload.get('environment') or {}).get('time_utc', 'unknown date')}",
-                   environment(payload), f"JSON: [{rel}]({rel}); plot: {links}."]
-        if any(p.suffix == ".png" for p in plots):
-            section.append(f"![{page.name}]({plots[0].relative_to(results).as_posix()})")
+        names = [p.relative_to(results).as_posix() for p in plots]
+        links = ", ".join(f"[{n}]({n})" for n in names) or "none in `results/`"
+        date = (payload.get("environment") or {}).get("time_utc", "unknown date")
+        section = [f"## `{rel}`, run of {date}", environment(payload),
+                   f"JSON: [{rel}]({rel}); plot: {links}."]
+        if names:
+            section.append(f"![{page.name}]({names[0]})")
         extra = _extra_markdown(page, payload)
         if extra:
             section.append(extra)
