@@ -1,27 +1,28 @@
 """CPU attention ops side by side: ours (get_ops("cpu")), vLLM's CPU_ATTN kernel, SDPA.
 
-Issue 12's table: paged decode (block 128, cache read in place) and causal prefill, same data
-for every implementation, 1 thread by default, interleaved repeats (min reported). Also
-measures the machine's memory read bandwidth (sum over a large tensor, same thread count) and
-states the decode rows' achieved GB/s of K/V read, next to a roofline: a decode does
-``2 * group / element size`` flops per byte of K/V, so it streams no faster than
-min(bandwidth, fp32 matmul FLOP rate / that intensity). Decode rows also time the pcp=1 layer
-(``impl.forward``, cache write included; the step's metadata built once, as for all layers of
-a model step, its build time reported apart) on the same decode: ``layer/op`` is the layer's
-overhead over the bare op. vLLM runs where it is installed
-(``.venv-vllm``, plus matplotlib); elsewhere the table has ours and SDPA only.
+The single-shape table (docs/performance.md section 10): paged decode (block 128, cache read in
+place) and causal prefill, same data for every implementation, 1 thread by default, interleaved
+repeats (min reported). Also measures the machine's memory read bandwidth (sum over a large
+tensor, same thread count) and states the decode rows' achieved GB/s of K/V read, next to a
+roofline: a decode does ``2 * group / element size`` flops per byte of K/V, so it streams no
+faster than min(bandwidth, fp32 matmul FLOP rate / that intensity). Decode rows also time the
+pcp=1 layer (``impl.forward``, cache write included; the step's metadata built once, as for all
+layers of a model step, its build time reported apart) on the same decode: ``layer/op`` is the
+layer's overhead over the bare op. vLLM runs where it is installed (``.venv-vllm``, plus
+matplotlib); elsewhere the table has ours and SDPA only.
 
     PYTHONPATH=$PWD .venv-vllm/bin/python -m benchmarks.bench_cpu_ops --out results/
 
-``--matrix`` (issue 18) runs the shape matrix instead (``bench_cpu_matrix.json`` and a
-heatmap of ours/vLLM): decode over B x context x (Hq, Hkv) x D x dtype, each on our cache layout
-``[2, blocks, block_size, Hkv, D]`` and on vLLM's packed ``[blocks, Hkv, block_size, 2 D]``, with
-sequential and random block tables; causal prefill over S x the same head shapes. Rows whose K/V
-copy would exceed ``--max-kv-gib`` or whose prefill exceeds ``--max-prefill-tflop`` are listed
-as skipped, not dropped. Each row also gets ``bound_ms``, a time no kernel can beat on this
-CPU: its flops at the core's measured multiply-add peak, or its bytes at the measured read rate
-of a warm buffer of their size, whichever is longer (``cpu_limits``); ``matrix_markdown`` counts
-the rows where 0.8x vLLM's time is under it. ``--matrix --quick`` is the smoke-test subset.
+``--matrix`` (docs/performance.md section 12) runs the shape matrix instead
+(``bench_cpu_matrix.json`` and a heatmap of ours/vLLM): decode over B x context x (Hq, Hkv) x D
+x dtype, each on our cache layout ``[2, blocks, block_size, Hkv, D]`` and on vLLM's packed
+``[blocks, Hkv, block_size, 2 D]``, with sequential and random block tables; causal prefill over
+S x the same head shapes. Rows whose K/V copy would exceed ``--max-kv-gib`` or whose prefill
+exceeds ``--max-prefill-tflop`` are listed as skipped, not dropped. Each row also gets
+``bound_ms``, a time no kernel can beat on this CPU: its flops at the core's measured
+multiply-add peak, or its bytes at the measured read rate of a warm buffer of their size,
+whichever is longer (``cpu_limits``); ``matrix_markdown`` counts the rows where 0.8x vLLM's time
+is under it. ``--matrix --quick`` is the smoke-test subset.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks import cpu_limits
-from benchmarks.common import new_figure, parse_args, save_figure, write_json
+from benchmarks.common import cpu_model, new_figure, parse_args, save_figure, write_json
 from cp_attention.backend import CPAttentionBackend
 from cp_attention.config import CPConfig, CPRanks
 from cp_attention.metadata.common import StepSpec
@@ -313,9 +314,9 @@ def _plot(payload: dict, out_dir: str | Path) -> None:
     save_figure(fig, out_dir, NAME)
 
 
-# -- the shape matrix (issue 18) -------------------------------------------------------------
+# -- the shape matrix (docs/performance.md section 12) ----------------------------------------
 MATRIX_NAME = "bench_cpu_matrix"
-GOAL_OVER_VLLM = 0.8  # issue 18: ours <= 0.8x the time of vLLM's kernel on every row
+GOAL_OVER_VLLM = 0.8  # the matrix's goal: ours <= 0.8x the time of vLLM's kernel on every row
 HEAD_SHAPES = [(8, 1), (8, 8), (9, 3), (32, 8)]
 
 
@@ -340,19 +341,6 @@ def matrix_cases(quick: bool) -> list[tuple[Case, bool]]:
                     rows.append((Case(f"prefill S={s // 1024}k {hq}/{hkv} D={d} {dt}", "prefill",
                                       1, s, hq, hkv, d, dt), False))
     return rows
-
-
-def cpu_model() -> str:
-    """The CPU's model name, family and model number (from /proc/cpuinfo)."""
-    fields = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        return "unknown"
-    return (f"{fields.get('model name', '?')} (family {fields.get('cpu family', '?')} model "
-            f"{fields.get('model', '?')})")
 
 
 def _skip_reason(case: Case, max_kv_gib: float, max_prefill_tflop: float) -> str | None:
@@ -418,7 +406,7 @@ def _read_gbs(nbytes: int) -> float:
 def run_matrix(out_dir: str | Path, quick: bool = False, threads: int = 1,
                max_kv_gib: float = 1.0, max_prefill_tflop: float = 0.3,
                time_budget_s: float | None = None) -> dict:
-    """The issue-18 matrix; writes ``bench_cpu_matrix.json`` and its heatmap. Rows run from the
+    """The shape matrix; writes ``bench_cpu_matrix.json`` and its heatmap. Rows run from the
     smallest problem to the largest; past ``time_budget_s`` the rest are listed as skipped."""
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -600,7 +588,8 @@ def matrix_markdown(payload: dict) -> str:
 
 
 def _matrix_args(parser) -> None:
-    parser.add_argument("--matrix", action="store_true", help="the issue-18 shape matrix")
+    parser.add_argument("--matrix", action="store_true",
+                        help="the shape matrix (docs/performance.md section 12)")
     parser.add_argument("--max-kv-gib", type=float, default=1.0,
                         help="matrix: skip rows whose K/V copy exceeds this")
     parser.add_argument("--max-prefill-tflop", type=float, default=0.3,

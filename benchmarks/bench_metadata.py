@@ -6,8 +6,8 @@ over cached context, the rest decodes). Median over repeats of ``build(step)`` o
 target <= 1 ms at 256 requests. At 256 requests the builder is profiled (cProfile) and the
 top functions by own time are stored as ``hot_spots``.
 
-``targets`` (issue 13), median of 30 builds each: the 256-request mixed step at pcp=2 x dcp=2
-and at pcp=4 (<= 1 ms), and one fresh 128k-token prompt at pcp=8 (<= 5 ms).
+``targets`` (docs/performance.md section 4), median of 30 builds each: the 256-request mixed
+step at pcp=2 x dcp=2 and at pcp=4 (<= 1 ms), and one fresh 128k-token prompt at pcp=8 (<= 5 ms).
 
     python -m benchmarks.bench_metadata --out results/
 """
@@ -155,7 +155,7 @@ def _plot(rows, targets, out_dir) -> None:
     bars.scatter(x, [t["target_ms"] for t in targets], marker="_", s=900, color="red",
                  label="target", zorder=3)
     bars.set_xticks(x, [t["case"] for t in targets], fontsize=7)
-    bars.set(ylabel="build time (ms, median of repeats)", title="issue-13 targets (rank 0)")
+    bars.set(ylabel="build time (ms, median of repeats)", title="build-time targets (rank 0)")
     bars.legend(fontsize=7)
     bars.grid(alpha=0.3, axis="y")
     save_figure(fig, out_dir, NAME)

@@ -33,9 +33,23 @@ def parse_args(description: str, argv: list[str] | None = None,
     return parser.parse_args(argv)
 
 
+def cpu_model() -> str:
+    """The CPU's model name, family and model number (from /proc/cpuinfo)."""
+    fields = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        return "unknown"
+    return (f"{fields.get('model name', '?')} (family {fields.get('cpu family', '?')} model "
+            f"{fields.get('model', '?')})")
+
+
 def environment() -> dict:
     """Where the numbers come from (stored in every JSON)."""
     return {
+        "cpu": cpu_model(),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "machine": platform.machine(),

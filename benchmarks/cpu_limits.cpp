@@ -1,7 +1,8 @@
-// The ceilings of one CPU core, for bench_cpu_ops' per-row lower bound (issue 18): the
-// multiply-add peak (fp32 FMA; bf16 pairs with vdpbf16ps where the CPU has them) and the read
-// bandwidth over a buffer of a given size (warm: from L1, L2, L3 or memory by its size).
-// Independent accumulator chains, so throughput, not latency, limits; each returns its rate.
+// The ceilings of one CPU core, for bench_cpu_ops' per-row lower bound (docs/performance.md
+// section 12): the multiply-add peak (fp32 FMA; bf16 pairs with vdpbf16ps where the CPU has
+// them) and the read bandwidth over a buffer of a given size (warm: from L1, L2, L3 or memory
+// by its size). Independent accumulator chains, so throughput, not latency, limits; each
+// returns its rate.
 // Built by benchmarks/cpu_limits.py with -O3 -march=native; benchmark code, not a kernel.
 #include <immintrin.h>
 

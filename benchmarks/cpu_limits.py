@@ -1,10 +1,11 @@
 """This core's ceilings, measured: multiply-add peak and read bandwidth by working-set size.
 
-``bench_cpu_ops --matrix`` divides a row's arithmetic and bytes by them for a lower bound on
-the row's time that no kernel can beat on this CPU (issue 18: is ours <= 0.8x vLLM's kernel
-reachable on the row at all?). The loops are in ``cpu_limits.cpp`` (independent FMA /
-vdpbf16ps chains; an 8-accumulator streaming read), built once with ``g++ -O3 -march=native``
-into ``$CP_ATTENTION_CACHE/bench`` (default ``~/.cache/cp_attention``) and called by ctypes.
+``bench_cpu_ops --matrix`` divides a row's arithmetic and bytes by them for a lower bound on the
+row's time that no kernel can beat on this CPU (docs/performance.md section 12: is ours <= 0.8x
+vLLM's kernel reachable on the row at all?). The loops are in ``cpu_limits.cpp`` (independent
+FMA / vdpbf16ps chains; an 8-accumulator streaming read), built once with ``g++ -O3
+-march=native`` into ``$CP_ATTENTION_CACHE/bench`` (default ``~/.cache/cp_attention``) and
+called by ctypes.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""KV ownership map (DESIGN section 2) and the DCP/PCP context metadata, against brute force.
+"""KV ownership map (docs/dcp.md section 1) and the DCP/PCP context metadata, against brute force.
 
 Pure index math: no processes. Every property is checked against an explicit per-token
 enumeration, so a wrong formula in ``metadata/kv_layout.py`` or ``metadata/builder.py`` fails.

@@ -1,6 +1,6 @@
 """Properties of the PCP head/tail planner, checked on every rank of random steps (no processes).
 
-The expected layouts are written here from the conventions of DESIGN section 3, independently
+The expected layouts are written here from the conventions of docs/pcp.md section 1, independently
 of ``cp_attention.metadata.pcp``: a prefill of L new tokens is padded at its end to
 ``2 * pcp * c`` rows (``c = ceil(L / (2 * pcp))``); PCP rank r keeps chunks r (head) and
 ``2 * pcp - 1 - r`` (tail); decodes (context > 0, one new token) are not split and sit first

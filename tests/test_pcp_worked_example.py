@@ -1,6 +1,6 @@
 """The worked example of docs/pcp.md: pcp=2, one step with fresh prompts of 5 and 8 tokens.
 
-Every list below was derived by hand from the conventions (DESIGN section 3, docs/pcp.md),
+Every list below was derived by hand from the conventions (docs/pcp.md sections 1 and 3),
 then checked against the planner; the test pins them so that docs and code cannot drift.
 """
 from __future__ import annotations

@@ -3,8 +3,8 @@
 * :func:`validate_ranks`: coordinates consistent with the config (the builders call it once);
 * :func:`validate_step`: a step's block table against the cache (O(requests x blocks); the
   builder calls it once per step);
-* :func:`validate_rank_plans`: the DESIGN invariants of one step's metadata over every
-  (pcp_rank, dcp_rank): ownership, restore permutations, lengths, index ranges (the planner
+* :func:`validate_rank_plans`: the invariants (docs/pcp.md, docs/dcp.md) of a step's plan over
+  every (pcp_rank, dcp_rank): ownership, restore permutations, lengths, index ranges (the planner
   fuzzers and debug runs call it).
 Every check raises :class:`~cp_attention.errors.StepError` naming the field and the value.
 """
@@ -97,7 +97,7 @@ def validate_rank_plans(step: StepSpec, config: CPConfig, metas: dict) -> None:
     metas: ``{(pcp_rank, dcp_rank): AttentionMetadata}`` of every rank (the builder module
     imports this one, so the type is named here only).
 
-    * every step token is written exactly once per KV shard group, at the DESIGN slot;
+    * every step token is written exactly once per KV shard group, at its slot (docs/dcp.md 1);
     * the union of real local rows over PCP ranks is every step token, decodes on every rank;
     * restore / scatter indices are inverse permutations, gathered[restore] is request order;
     * context lengths sum to num_computed_tokens; index tensors are in range.

@@ -1,4 +1,4 @@
-"""Which KV shard stores which cached token, and where (pure index math, DESIGN section 2):
+"""Which KV shard stores which cached token, and where (pure index math, docs/dcp.md section 1):
 :class:`KVSharding`, the one definition the builder, the step checks, the vLLM slot-mapping
 shim and the test oracles read."""
 from __future__ import annotations

@@ -5,7 +5,7 @@ A :class:`PrefillPartition` (one subclass per strategy) defines two things: the 
 derived from that one definition: the padded rows (``num_chunks * c`` per prefill), each
 rank's rows, the restore order of the rank-major all-gather (the ownership table inverted,
 in closed form per chunk) and the scatter (the inverse permutation of the restore order).
-:class:`HeadTail` (DESIGN section 3) is the first strategy.
+:class:`HeadTail` (docs/pcp.md section 1) is the first strategy.
 
 Local rows of a rank: for each prefill, its ``m`` chunks in local order (``m c`` rows, pads
 included). Restored rows: for each prefill, its padded tokens in order (request offsets =

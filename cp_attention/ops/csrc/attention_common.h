@@ -92,8 +92,8 @@ inline vf8 vmax(vf8 a, vf8 b) { return a > b ? a : b; }
 constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
 
 // 2^x lane-wise (Cephes exp2f polynomial on [-0.5, 0.5], ~1 ulp). Lanes below -125 (including
-// -inf and NaN) give exactly 0, so masked scores never leak into sums. (Measured here against
-// the Cephes expf of x ln 2: 0.65x its time; the same speed as varlen's former AVX2 intrinsics.)
+// -inf and NaN) give exactly 0, so masked scores never leak into sums. (Faster than the
+// Cephes expf of x ln 2: results/history.md section 15.)
 CP_INLINE vf8 vexp2(vf8 x) {
   const vf8 lo = splat(-125.0f), hi = splat(125.0f);
   const vf8 xc = x < lo ? lo : (x > hi ? hi : x);
@@ -117,9 +117,9 @@ CP_INLINE vf8 vexp2(vf8 x) {
 }
 
 // e^x lane-wise (Cephes expf, ~1 ulp). Lanes below -87.3 (including -inf) give exactly 0.
-// Measured in the bf16 32/8-head decode: 0.93x the time of the exp2 polynomial fed with
-// x log2(e) = n + f from a split log2(e) (equally accurate), and exp2(x log2(e)) would lose |x|
-// ulps to the rounding of the product.
+// Faster in the decode than the exp2 polynomial fed with x log2(e) = n + f from a split log2(e)
+// (equally accurate; results/history.md section 15); exp2(x log2(e)) would lose |x| ulps to the
+// rounding of the product.
 inline vf8 vexp(vf8 x) {
   const vf8 lo = splat(-87.3365447f), hi = splat(88.3762626f);
   const vf8 xc = x < lo ? lo : (x > hi ? hi : x);
@@ -150,7 +150,8 @@ inline void to_float(const float* src, float* dst, int64_t n) {
 }
 
 // A bfloat16 is the upper half of a float32: interleaving 16-bit zeros below the 8 halves
-// gives 8 floats (two 128-bit unpacks, no widening shuffle or shift; 3x faster on Zen1).
+// gives 8 floats (two 128-bit unpacks, no widening shuffle or shift; results/history.md
+// section 15).
 inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
   const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
   const vu16x8 zero = {};

@@ -39,7 +39,7 @@ constexpr ScoreBase kBase = ScoreBase::kNatural;  // scores q . k * scale
 constexpr int kKeyLaneRows = 4;  // items of at most this many rows per KV head: keys on lanes
 
 // Reads entries of an int32 or int64 index tensor (1-D or 2-D) without converting it (vLLM
-// passes int32; a conversion per call cost 1.8 us of an 8 us decode call).
+// passes int32; converting costs a share of a short decode: results/history.md section 15).
 struct IndexTable {
   const void* data = nullptr;  // null: no tensor (at() must not be called)
   bool is_int32 = false;
@@ -124,8 +124,8 @@ struct Scratch {
   }
 };
 
-// This thread's Scratch, fitted to the call (allocating and zeroing fresh buffers in every
-// call cost ~1 us: 1.12-1.15x the time of a 16-key decode at 8/1 and 32/8 heads, Zen 4).
+// This thread's Scratch, fitted to the call and kept between calls (allocating and zeroing
+// fresh buffers in every call shows in short decodes: results/history.md section 15).
 Scratch& thread_scratch(int64_t groups, int64_t dim) {
   thread_local Scratch scratch;
   scratch.fit(groups, dim);
@@ -195,10 +195,9 @@ class RowLines {
 // Prefetches the next tile's K and V rows, one line (of K and of V in turn) per step(). The
 // steps are spread over the current tile's score loop so that the DRAM reads overlap its
 // arithmetic: the hardware prefetchers stop at every 4 KiB page (a cache block holds a few
-// of them), and bursts of prefetches stall the core (measured: one line per step beats two).
+// of them), and bursts of prefetches stall the core, so one line is prefetched per step.
 // Lines go to L2, not L1 (prefetcht1): a tile of several KV heads (64 KiB of K and of V for
-// 8 x 128 bf16) would evict the tile being computed from L1 (Zen 4, A/B in one process:
-// 0.64-0.98x the time of prefetcht0 over fp32/bf16, 8/1 to 32/8 heads, both layouts).
+// 8 x 128 bf16) would evict the tile being computed from L1 (results/history.md section 15).
 class TilePrefetcher {
  public:
   TilePrefetcher() = default;  // nothing to prefetch
@@ -228,8 +227,7 @@ class TilePrefetcher {
 // scores[j] (lane i) = sum_d q_t[d][i] * K_j[d] for the n keys K_j = keys + j * key_stride.
 // Steps `prefetch` once per d and key block (enough for a tile of its dtype's rows).
 // kStride > 0: key_stride is kStride, so the 8 keys of a block are immediate offsets from one
-// pointer (a runtime stride needs 8 pointers, more than the free registers: 1.25x the time of
-// the 8/1-head fp32 decode, Zen 4).
+// pointer (a runtime stride needs 8 pointers, which spill: results/history.md section 15).
 template <int64_t kStride>
 CP_INLINE void qk_tile_strided(const float* q_t, const float* keys, int64_t runtime_stride,
                                int n, int64_t dim, vf8* scores, TilePrefetcher& prefetch) {
@@ -369,8 +367,11 @@ CP_INLINE void qk_dot_rows(const float* q, const key_t* keys, int64_t key_stride
     qk_dot_block<R, 1>(q, keys + j * key_stride, key_stride, dim, scores + j, prefetch);
 }
 
-// The scores of a lane group with at most kDotRows rows (decode with a GQA group of 1 to 4),
-// where qk_tile would leave half or more of its lanes idle: same result, lanes = rows.
+// The scores of a lane group with at most kDotRows rows, where qk_tile would leave half or
+// more of its lanes idle: same result, lanes = rows. attend_tile calls it for the last lane
+// group of an item with more than kKeyLaneRows rows per KV head (9 rows: a group of 8, then
+// one of 1); items of at most kKeyLaneRows rows (decode with a GQA group of 1 to 4) do not
+// come here, attend_key_lanes computes theirs.
 // Keys are read in the cache's dtype (float32, or widened from 16 bits as they are loaded).
 constexpr int kDotRows = 4;
 template <typename key_t>
@@ -388,7 +389,7 @@ CP_INLINE void qk_dot(const float* q_rows, int rows, const key_t* keys, int64_t 
 // A bf16 query against a bf16 cache: vdpbf16ps multiplies pairs of bf16 exactly and adds them
 // in float32, where the float32 path widens every K element first (two instructions per 8).
 // The query is not pre-scaled (scale * q would be rounded to bf16): the scores are scaled.
-// 9/3 and 32/8 heads: 0.75-0.80x the time, 8/8: 0.76x, 8/1: 0.90-0.92x (Zen 4, K/V in cache).
+// Where build and CPU allow it (CP_HAS_BF16_DOT, pb.bf16_dot; results/history.md section 15).
 #if CP_HAS_BF16_DOT
 // Lane j * R + r = q_r . K_j for R rows of bf16 bits and J bf16 keys: vdpbf16ps, two exact
 // products per lane and instruction (no widening of K), dim % 16 == 0. Steps `prefetch` once
@@ -459,8 +460,8 @@ CP_INLINE void qk_tile_bf16(const uint32_t* q_pairs, const c10::BFloat16* keys,
 #endif
 
 // An empty asm that takes the C vectors in registers: GCC otherwise folds a float32 load into
-// each FMA that uses it, R loads of one V vector instead of one (a load-bound P.V; 0.86x the
-// time of the 8/1-head bf16 decode, Zen 4).
+// each FMA that uses it, R loads of one V vector instead of one (a load-bound P.V;
+// results/history.md section 15).
 template <int C>
 CP_INLINE void keep_in_registers(vf8* v) {
 #if defined(__x86_64__)
@@ -502,8 +503,7 @@ template <int R, typename value_t>
 CP_INLINE void pv_row_block(float* acc, int64_t dim, int lane0, const vf8* probs,
                             const value_t* values, int64_t value_stride, int n,
                             int64_t vec_end) {
-  // (C = 4 for R = 3, 4 where AVX-512 gives 32 registers: 1.06-1.1x the time at 8/1 heads
-  // and 32/8 heads D=128 bf16, Zen 4)
+  // (C = 4 for R = 3, 4 where AVX-512 gives 32 registers was slower: results/history.md section 15)
   constexpr int C = kLanes / R > 4 ? 4 : kLanes / R;
   int64_t c = 0;
   for (; c + C * kLanes <= vec_end; c += C * kLanes)
@@ -582,8 +582,7 @@ CP_INLINE void attend_tile(const PagedProblem& pb, Scratch& s, int64_t rows, int
 
 // ---- items of at most kKeyLaneRows rows per KV head (decode, GQA group 1 to 4) -----------
 // Their scores are computed and soft-maxed with keys along the lanes (8 keys per exp, where
-// one lane per row would use 1 to 4 of each vector's 8 lanes; for 3 and 4 rows 0.91-0.96x
-// the time of lanes = rows at 9/3 heads, Zen 4).
+// one lane per row would use 1 to 4 of each vector's 8 lanes; results/history.md section 15).
 
 // The scores of R rows and J keys: float32 queries (pre-scaled) against K in its dtype
 // (qk_dots), or bf16 query bits against a bf16 K, times `scale` (qk_dots_bf16).
@@ -617,8 +616,7 @@ constexpr int key_lane(int k) { return (k / J) * kLanes + (k % J) * R + r; }
 
 // Row r's scores of 8 keys along the lanes from the kLanes / J blocks `d` of qk_dots<R, J>
 // (in-register shuffles: row vectors stored whole, so the softmax's vector loads are forwarded
-// from the stores instead of gathering 8 scalar stores each; with softmax_key_vecs, the 1k-key
-// decode at 32/8 heads takes 0.91-0.93x the time in bf16, 0.96-0.97x in fp32, Zen 4).
+// from the stores instead of gathering 8 scalar stores each; results/history.md section 15).
 template <int R, int r>
 CP_INLINE vf8 key_row(const vf8* d) {
   if constexpr (R == 1) {
@@ -804,7 +802,8 @@ CP_INLINE void attend_key_lanes(const PagedProblem& pb, Scratch& s, int64_t h, i
                  value_stride, n);
 }
 
-// Not inlined into the work queue's loop: there the fp32 decode ran 1.3x slower (8/1 heads).
+// Not inlined into the work queue's loop, where the fp32 decode ran slower
+// (results/history.md section 15).
 // kKeyRows: the item's rows per KV head when they are at most kKeyLaneRows
 // (attend_key_lanes), else 0 (attend_tile: lane groups of one row per lane).
 template <typename scalar_t, int kKeyRows>
@@ -893,8 +892,8 @@ __attribute__((noinline)) void run_item(const PagedProblem& pb, const WorkItem& 
         // One row per KV head (MHA decode) does the least arithmetic per byte: the span of
         // all heads per key, prefetched key by key, reaches the next tile's first heads too
         // late. Head h's turn prefetches the next tile's rows of head h, in the order they
-        // are read (own layout, 8/8 heads, bf16, from DRAM: 0.56-0.69x the time at D=64,
-        // 0.89-0.91x at D=128; GQA items, where the span order won, keep it; Zen 4).
+        // are read; GQA items, where the span order was faster, keep it (results/history.md
+        // section 15).
         if (heads > 1 && tile.n > 0) prefetch = TilePrefetcher(pb, head_rows(pb, tile, h), 1);
       }
       if constexpr (kKeyRows > 0) {

@@ -73,8 +73,8 @@ inline void micro_kernel(const float* __restrict a, int64_t a_rs, int64_t a_ks,
 }
 
 // Block of the float32 micro-kernel: kGemmRows x 2 accumulator vectors plus 2 B vectors and
-// a broadcast must stay in registers (8 x 2 with AVX-512's 32: 0.94-1.0x the time of 6 x 2 on
-// 2k prefills, Zen 4; 6 x 2 fills AVX2's 16).
+// a broadcast must stay in registers (8 x 2 with AVX-512's 32; 6 x 2 fills AVX2's 16;
+// results/history.md section 15).
 #if defined(__AVX512F__)
 constexpr int kGemmRows = 8;
 #else
@@ -149,8 +149,8 @@ inline void micro_kernel_bf16(const c10::BFloat16* __restrict keys, int64_t k_rs
 }
 
 // Block of the bf16 micro-kernel: 8 keys x 3 vectors of query columns, 24 accumulators (and 3
-// Q vectors and a broadcast) of the 32 registers every avx512_bf16 CPU has; 0.93x the time of
-// 6 x 2 on D = 128, the same on D = 64 (Zen 4).
+// Q vectors and a broadcast) of the 32 registers every avx512_bf16 CPU has (results/history.md
+// section 15).
 constexpr int kDotKeys = 8;
 constexpr int kDotVecs = 3;
 
