@@ -32,7 +32,7 @@ from cp_attention.ops import CudaOps, NpuOps, ReferenceOps, get_ops
 from cp_attention.ops.checks import (validate_cu_seqlens, validate_kv_cache_shape_args,
                                      validate_merge_inputs, validate_paged_inputs,
                                      validate_slot_mapping, validate_varlen_inputs)
-from cp_attention.ops.reference import attend_dense
+from cp_attention.ops.interface import Mask
 from cp_attention.parallel import CPGroups, backend_for_device
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
@@ -328,9 +328,10 @@ CASES: list[Case] = [
     # -- ops and backend: O(1) argument checks of every op call -------------------------
     Case("get_ops", "kind='bogus' on cuda", ValueError, r"ops kind must be .* got 'bogus'",
          lambda: get_ops("cuda", "bogus")),
-    Case("attend_dense", "window with causal=False", ValueError,
-         r"a sliding window requires causal attention",
-         lambda: attend_dense(*qkv(), scale=1.0, causal=False, window=2)),
+    Case("Mask", "window with causal=False", OpsInputError,
+         r"a sliding window requires causal attention", lambda: Mask(causal=False, window=2)),
+    Case("Mask", "window=True", OpsInputError, r"window must be an integer >= 1 or None, got True",
+         lambda: Mask(causal=True, window=True)),
     Case("ReferenceOps.varlen_attention", "window with causal=False", OpsInputError,
          r"a sliding window requires causal attention",
          lambda: ReferenceOps().varlen_attention(*qkv(), torch.tensor([0, 4]), torch.tensor([0, 4]),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch._ops import _OpNamespace
 
-from cp_attention.ops.interface import AttentionOps
+from cp_attention.ops.interface import AttentionOps, Mask
 from cp_attention.ops.merge import merge_attn_states
 from cp_attention.ops.reference import ReferenceOps
 
@@ -36,11 +36,9 @@ class CpuOps(AttentionOps):
             return self._reference.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                     scale=scale, causal=causal, window=window,
                                                     seqused_k=seqused_k)
-        if window is not None and not causal:
-            raise ValueError("a sliding window requires causal attention")
+        mask = Mask(bool(causal), window)
         return self._ext.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, float(scale),
-                                          bool(causal), 0 if window is None else int(window),
-                                          seqused_k)
+                                          mask.causal, mask.kernel_window, seqused_k)
 
     def paged_attention(self, q, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens,
                         *, scale, kv_start=None, kv_end=None):

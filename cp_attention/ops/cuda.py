@@ -20,7 +20,7 @@ import torch
 
 from cp_attention.ops import cuda_args
 from cp_attention.ops.checks import check_paged_args, check_varlen_args
-from cp_attention.ops.interface import (AttentionOps, accumulation_dtype, empty_result,
+from cp_attention.ops.interface import (AttentionOps, Mask, accumulation_dtype, empty_result,
                                         used_key_lengths, used_key_rows)
 from cp_attention.ops.merge import merge_attn_states
 from cp_attention.ops.paged_plan import plan_paged
@@ -69,7 +69,7 @@ class CudaOps(AttentionOps):
         return self._flash is not None and dtype in cuda_args.FLASH_DTYPES
 
     def _varlen(self, q, k, v, bounds_q: list[int], bounds_k: list[int], scale: float,
-                causal: bool, window: int | None, used: list[int] | None = None):
+                mask: Mask, flash: bool, used: list[int] | None = None):
         """Packed varlen attention -> (out acc dtype, lse [T, H] acc dtype); request i attends
         the first ``used[i]`` keys of its ``bounds_k`` range (all of them when None)."""
         acc = accumulation_dtype(q.dtype)
@@ -77,7 +77,7 @@ class CudaOps(AttentionOps):
         n_k = used_key_lengths(bounds_k, used)
         if q.shape[0] == 0 or sum(n_k) == 0:
             return out, lse
-        if self._flash_ok(q.dtype):
+        if flash:
             extra = {}
             if used is not None and self._flash_seqused_k:
                 extra["seqused_k"] = cuda_args.int32_cu_seqlens(torch.tensor(used), q.device)
@@ -89,12 +89,12 @@ class CudaOps(AttentionOps):
                 cuda_args.int32_cu_seqlens(torch.tensor(bounds_q), q.device),
                 cuda_args.int32_cu_seqlens(torch.tensor(bounds_k), q.device),
                 cuda_args.max_seqlen(bounds_q), cuda_args.max_seqlen(bounds_k), dropout_p=0.0,
-                softmax_scale=float(scale), causal=causal,
-                window_size=cuda_args.window_size(causal, window), return_attn_probs=True,
+                softmax_scale=float(scale), causal=mask.causal, window_size=mask.bounds,
+                return_attn_probs=True,
                 **extra)
             o, l = res[0], cuda_args.lse_to_th(res[1], q.shape[0], q.shape[1])
             visible = torch.cat([
-                cuda_args.dense_visibility(b - a, nk, causal, window, q.device).any(1)
+                cuda_args.dense_visibility(b - a, nk, mask, q.device).any(1)
                 for a, b, nk in zip(bounds_q, bounds_q[1:], n_k)])
             out = torch.where(visible[:, None, None], o.to(acc), out)
             lse = torch.where(visible[:, None], l.to(acc), lse)
@@ -103,7 +103,7 @@ class CudaOps(AttentionOps):
             qs, qe, ks = bounds_q[r], bounds_q[r + 1], bounds_k[r]
             ke = ks + n_k[r]
             if qe > qs and ke > ks:
-                vis = cuda_args.dense_visibility(qe - qs, ke - ks, causal, window, q.device)
+                vis = cuda_args.dense_visibility(qe - qs, ke - ks, mask, q.device)
                 out[qs:qe], lse[qs:qe] = explicit_attention(q[qs:qe], k[ks:ke], v[ks:ke],
                                                             scale, vis)
         return out, lse
@@ -111,9 +111,10 @@ class CudaOps(AttentionOps):
     def varlen_attention(self, q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal,
                          window=None, seqused_k=None):
         """q [Tq, Hq, D], k/v [Tk, Hkv, D] -> (out [Tq, Hq, D], lse [Tq, Hq])."""
-        check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, window, causal, seqused_k)
+        check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k)
         return self._varlen(q, k, v, [int(x) for x in cu_seqlens_q.tolist()],
-                            [int(x) for x in cu_seqlens_k.tolist()], scale, causal, window,
+                            [int(x) for x in cu_seqlens_k.tolist()], scale, Mask(causal, window),
+                            self._flash_ok(q.dtype),
                             None if seqused_k is None else [int(x) for x in seqused_k.tolist()])
 
     def paged_attention(self, q, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens,
@@ -128,13 +129,13 @@ class CudaOps(AttentionOps):
             None if kv_end is None else [int(x) for x in kv_end.tolist()])
         out, lse = empty_result(q, acc)
         flat_k, flat_v = key_cache.view(-1, hkv, d), value_cache.view(-1, hkv, d)
+        flash = self._flash_ok(q.dtype)
         for call in calls:
             rows = torch.tensor(call.query_rows(), dtype=torch.long, device=q.device)
             slots, bounds_k = cuda_args.paged_gather(block_table.to(q.device), call, block_size)
-            causal, window = cuda_args.call_flags(call)
             o, l = self._varlen(q.index_select(0, rows), flat_k.index_select(0, slots),
-                                flat_v.index_select(0, slots),
-                                call.cu_seqlens_q(), bounds_k, scale, causal, window)
+                                flat_v.index_select(0, slots), call.cu_seqlens_q(), bounds_k,
+                                scale, call.interface_mask(), flash)
             out[rows], lse[rows] = o, l
         return out, lse
 

@@ -5,7 +5,7 @@ the attention output together with its log-sum-exp so that partial results can b
 exactly. Outputs of the attention ops are in the accumulation dtype (float32, or float64 for
 float64 inputs): partial results are merged in that precision and cast once by the caller.
 
-Mask conventions (shared by every implementation):
+Mask conventions (shared by every implementation; :class:`Mask` is their one description):
   * causal masks are bottom-right aligned: in a request with ``n_q`` queries and ``n_k`` keys,
     query ``i`` sits at key position ``n_k - n_q + i`` and sees keys ``<=`` that position;
   * a sliding window ``w`` additionally hides keys at positions ``<= pos - w``;
@@ -17,11 +17,45 @@ moves what its kernel reads to the device itself (a CPU caller pays no transfer 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from cp_attention.config import is_int
 from cp_attention.errors import OpsInputError
+
+
+@dataclass(frozen=True)
+class Mask:
+    """The key visibility of a ``varlen_attention`` call, checked once when made: bottom-right
+    ``causal``, and a sliding ``window`` of ``w >= 1`` keys (``pos - w < k <= pos``; causal only).
+    Each backend translates it: :attr:`bounds` (flash-attn's ``window_size``, the NPU's
+    pre/next tokens), :attr:`kernel_window` (the C++ kernel's)."""
+
+    causal: bool
+    window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.window is not None:
+            if not is_int(self.window) or self.window < 1:
+                raise OpsInputError(f"window must be an integer >= 1 or None, got "
+                                    f"{self.window!r}")
+            if not self.causal:
+                raise OpsInputError("a sliding window requires causal attention")
+
+    @property
+    def bounds(self) -> tuple[int, int]:
+        """(left, right): the query at key position ``p`` sees keys ``p - left <= k <= p +
+        right``, -1 = unbounded; window ``w`` -> ``(w - 1, 0)``."""
+        if self.window is not None:
+            return self.window - 1, 0
+        return (-1, 0) if self.causal else (-1, -1)
+
+    @property
+    def kernel_window(self) -> int:
+        """The C++ kernels' window argument: ``w``, 0 for none."""
+        return 0 if self.window is None else int(self.window)
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -27,7 +27,7 @@ import torch
 
 from cp_attention.ops import npu_args
 from cp_attention.ops.checks import check_cache_write_args, check_paged_args, check_varlen_args
-from cp_attention.ops.interface import (AttentionOps, accumulation_dtype, empty_result,
+from cp_attention.ops.interface import (AttentionOps, Mask, accumulation_dtype, empty_result,
                                         used_key_lengths, used_key_rows)
 from cp_attention.ops.merge import merge_attn_states
 from cp_attention.ops.paged_plan import plan_paged
@@ -87,7 +87,8 @@ class NpuOps(AttentionOps):
             return self._reference.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                     scale=scale, causal=causal, window=window,
                                                     seqused_k=seqused_k)
-        check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, window, causal, seqused_k)
+        check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k)
+        mask = Mask(causal, window)
         acc = accumulation_dtype(q.dtype)
         cu_q = [0] + npu_args.cumulative_lengths(cu_seqlens_q)
         cu_k = [0] + npu_args.cumulative_lengths(cu_seqlens_k)
@@ -96,10 +97,10 @@ class NpuOps(AttentionOps):
             if used != used_key_lengths(cu_k, None):  # TND has no gaps: pack the prefixes
                 rows, cu_k = used_key_rows(cu_k, used, k.device)
                 k, v = k.index_select(0, rows), v.index_select(0, rows)
-        visible = npu_args.visible_rows_dense(cu_q, cu_k, causal, window)
+        visible = npu_args.visible_rows_dense(cu_q, cu_k, mask.causal)
         if q.shape[0] == 0 or k.shape[0] == 0 or not bool(visible.any()):
             return empty_result(q, acc)
-        mode, pre, nxt = npu_args.sparse_args(causal, window)
+        mode, pre, nxt = npu_args.sparse_args(mask)
         out, lse = self.torch_npu.npu_fused_infer_attention_score(
             q.contiguous(), k.contiguous(), v.contiguous(),
             atten_mask=self._mask(mode, q.device),
@@ -129,7 +130,7 @@ class NpuOps(AttentionOps):
         for call in calls:
             rows = torch.tensor(call.query_rows(), dtype=torch.long, device=q.device)
             q_call = q.index_select(0, rows).contiguous()
-            mode, pre, nxt = npu_args.call_sparse_args(call)
+            mode, pre, nxt = npu_args.sparse_args(call.interface_mask())
             o_call, l_call = self.torch_npu.npu_fused_infer_attention_score(
                 q_call, keys, values,
                 atten_mask=self._mask(mode, q.device),
