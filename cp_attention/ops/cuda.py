@@ -4,7 +4,8 @@
   for float16/bfloat16 when flash-attn imports (``seqused_k`` passed through where the
   function takes it, else the used key prefixes are packed); otherwise explicit
   matmul-softmax math per request (any device, any float dtype: also what runs on CPU in the
-  tests);
+  tests), a fallback (:func:`~cp_attention.ops.interface.falls_back`) unless asked for with
+  ``use_flash=False``;
 * ``paged_attention``: the request/row plan of :func:`cp_attention.ops.paged_plan.plan_paged`,
   keys gathered from the cache into packed varlen K/V, then the varlen path (flash-attn's own
   paged mode needs page sizes that are multiples of 256, so it is not used);
@@ -21,7 +22,7 @@ import torch
 from cp_attention.ops import cuda_args
 from cp_attention.ops.checks import check_paged_args, check_varlen_args
 from cp_attention.ops.interface import (AttentionOps, Mask, accumulation_dtype, empty_result,
-                                        used_key_lengths, used_key_rows)
+                                        falls_back, used_key_lengths, used_key_rows)
 from cp_attention.ops.merge import merge_attn_states
 from cp_attention.ops.paged_plan import plan_paged
 from cp_attention.ops.reference import ReferenceOps
@@ -54,19 +55,26 @@ def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
 class CudaOps(AttentionOps):
     """flash-attn kernels when available, explicit math otherwise.
 
-    use_flash: None = auto (flash-attn importable and q float16/bfloat16), False = never.
+    use_flash: None = auto (flash-attn importable and q float16/bfloat16; else the explicit
+    math, as a fallback), False = never (the explicit math, no fallback).
     """
 
     name = "cuda"
 
     def __init__(self, use_flash: bool | None = None) -> None:
+        self._explicit_only = use_flash is False
         self._flash = load_flash_attn() if use_flash is not False else None
         self._flash_seqused_k = self._flash is not None and cuda_args.takes_seqused_k(
             self._flash.flash_attn_varlen_func)
         self._reference = ReferenceOps()
 
-    def _flash_ok(self, dtype: torch.dtype) -> bool:
-        return self._flash is not None and dtype in cuda_args.FLASH_DTYPES
+    def _use_flash(self, op: str, dtype: torch.dtype) -> bool:
+        """Whether flash-attn runs a call of ``op`` in ``dtype`` (else the explicit math)."""
+        if self._explicit_only:
+            return False
+        reason = ("flash_attn not importable" if self._flash is None else
+                  f"q dtype {dtype}" if dtype not in cuda_args.FLASH_DTYPES else None)
+        return not falls_back(f"CudaOps.{op}", reason)
 
     def _varlen(self, q, k, v, bounds_q: list[int], bounds_k: list[int], scale: float,
                 mask: Mask, flash: bool, used: list[int] | None = None):
@@ -114,7 +122,7 @@ class CudaOps(AttentionOps):
         check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k)
         return self._varlen(q, k, v, [int(x) for x in cu_seqlens_q.tolist()],
                             [int(x) for x in cu_seqlens_k.tolist()], scale, Mask(causal, window),
-                            self._flash_ok(q.dtype),
+                            self._use_flash("varlen_attention", q.dtype),
                             None if seqused_k is None else [int(x) for x in seqused_k.tolist()])
 
     def paged_attention(self, q, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens,
@@ -129,7 +137,7 @@ class CudaOps(AttentionOps):
             None if kv_end is None else [int(x) for x in kv_end.tolist()])
         out, lse = empty_result(q, acc)
         flat_k, flat_v = key_cache.view(-1, hkv, d), value_cache.view(-1, hkv, d)
-        flash = self._flash_ok(q.dtype)
+        flash = self._use_flash("paged_attention", q.dtype)
         for call in calls:
             rows = torch.tensor(call.query_rows(), dtype=torch.long, device=q.device)
             slots, bounds_k = cuda_args.paged_gather(block_table.to(q.device), call, block_size)

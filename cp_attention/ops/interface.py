@@ -11,19 +11,28 @@ Mask conventions (shared by every implementation; :class:`Mask` is their one des
   * a sliding window ``w`` additionally hides keys at positions ``<= pos - w``;
   * a query row that sees no key at all returns output 0 and LSE ``-inf`` (never NaN).
 
+A kernel implementation hands a call its kernel does not take (a dtype, device or stride) to
+pure torch (``ReferenceOps``; CUDA's explicit math) only through :func:`falls_back`: logged
+once per op and reason, an error under ``CP_ATTENTION_STRICT_OPS``.
+
 Index tensors (``cu_seqlens_*``, ``seq_lens``, ``block_table``, ``slot_mapping``, ``kv_start``,
 ``kv_end``) may live on the host, where the metadata builder makes them: each implementation
 moves what its kernel reads to the device itself (a CPU caller pays no transfer call).
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from cp_attention import envs
 from cp_attention.config import is_int
-from cp_attention.errors import OpsInputError
+from cp_attention.errors import KernelFallbackError, OpsInputError
+
+log = logging.getLogger("cp_attention")
+_FALLBACKS_LOGGED: set[tuple[str, str]] = set()
 
 
 @dataclass(frozen=True)
@@ -56,6 +65,23 @@ class Mask:
     def kernel_window(self) -> int:
         """The C++ kernels' window argument: ``w``, 0 for none."""
         return 0 if self.window is None else int(self.window)
+
+
+def falls_back(op: str, reason: str | None) -> bool:
+    """Whether kernel op ``op`` hands its call to pure torch: ``reason`` (why its kernel does
+    not take the call, e.g. "q dtype torch.float64") or None (the kernel runs it). Each
+    (op, reason) is logged once per process at WARNING on the ``cp_attention`` logger; under
+    ``CP_ATTENTION_STRICT_OPS`` a fallback raises :class:`KernelFallbackError` instead."""
+    if reason is None:
+        return False
+    if envs.CP_ATTENTION_STRICT_OPS:
+        raise KernelFallbackError(f"{op}: its kernel does not take this call ({reason}) and "
+                                  f"CP_ATTENTION_STRICT_OPS forbids the pure-torch fallback")
+    if (op, reason) not in _FALLBACKS_LOGGED:
+        _FALLBACKS_LOGGED.add((op, reason))
+        log.warning("cp_attention: %s falls back from its kernel to pure torch: %s (logged once "
+                    "per reason)", op, reason)
+    return True
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
