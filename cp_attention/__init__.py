@@ -1,7 +1,8 @@
 """cp_attention: context-parallel (PCP + DCP) attention for long-sequence LLM inference."""
 from cp_attention.backend import CPAttentionBackend
 from cp_attention.config import CPConfig, CPRanks, heads_of_rank
-from cp_attention.errors import AttentionLayerError, OpsInputError, StepError, StepMismatchError
+from cp_attention.errors import (AttentionLayerError, KernelFallbackError, OpsInputError, StepError,
+                                 StepMismatchError)
 from cp_attention.impl.base import BaseAttentionImpl
 from cp_attention.impl.cp import CPAttentionImpl
 from cp_attention.metadata.builder import AttentionMetadata, CPMetadataBuilder, MetadataBuilder
@@ -11,7 +12,7 @@ from cp_attention.parallel import CPGroups
 __all__ = [
     "AttentionLayerError", "AttentionMetadata", "AttentionState", "BaseAttentionImpl",
     "CPAttentionBackend", "CPAttentionImpl", "CPConfig", "CPGroups", "CPMetadataBuilder",
-    "CPRanks", "MetadataBuilder", "OpsInputError", "StepError", "StepMismatchError", "StepSpec",
-    "heads_of_rank",
+    "CPRanks", "KernelFallbackError", "MetadataBuilder", "OpsInputError", "StepError",
+    "StepMismatchError", "StepSpec", "heads_of_rank",
 ]
 __version__ = "0.1.0"

@@ -81,8 +81,9 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "`reference`: the pure-torch ops on CPU, no C++ build (`auto`: the C++ kernels).",
              _choice("auto", "reference")),
     _bool("CP_ATTENTION_STRICT_OPS", False,
-          "A kernel falling back to the reference ops (a dtype, device or stride it does not "
-          "take) is an error instead of a logged warning; the vLLM test tier turns it on."),
+          "A kernel op handing a call to pure torch (a dtype, device or stride its kernel does "
+          "not take, CUDA without flash-attn, a failed C++ build) raises `KernelFallbackError` "
+          "instead of logging a warning once per op and reason; the vLLM test tier turns it on."),
     Variable("CP_ATTENTION_CACHE", "path", Path.home() / ".cache" / "cp_attention",
              "Where benchmarks and the vLLM tier keep what they build or convert once "
              "(the cpu_limits loops, the real checkpoints).", _path),

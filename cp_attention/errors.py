@@ -7,7 +7,9 @@ The input errors are ``ValueError`` subclasses and name the field and the offend
     layer or each other (checked once per call, :mod:`cp_attention.impl.checks`);
   * :class:`OpsInputError`: arguments of an attention primitive that do not fit together
     (:mod:`cp_attention.ops.checks`).
-:class:`StepMismatchError` (a ``RuntimeError``) reports ranks that planned different steps.
+:class:`StepMismatchError` (a ``RuntimeError``) reports ranks that planned different steps;
+:class:`KernelFallbackError` (a ``RuntimeError``) a kernel op handed a call it does not take
+while ``CP_ATTENTION_STRICT_OPS`` forbids the fallback to the reference ops.
 """
 from __future__ import annotations
 
@@ -26,3 +28,7 @@ class OpsInputError(ValueError):
 
 class StepMismatchError(RuntimeError):
     """Ranks of one group hold different steps."""
+
+
+class KernelFallbackError(RuntimeError):
+    """A kernel op cannot take a call and ``CP_ATTENTION_STRICT_OPS`` forbids its fallback."""

@@ -163,7 +163,7 @@ def test_public_names_import_from_the_top():
     expected = {"CPConfig", "CPRanks", "CPGroups", "AttentionMetadata", "MetadataBuilder",
                 "CPMetadataBuilder", "BaseAttentionImpl", "CPAttentionImpl", "CPAttentionBackend",
                 "StepSpec", "AttentionState", "StepError", "AttentionLayerError", "OpsInputError",
-                "StepMismatchError"}
+                "StepMismatchError", "KernelFallbackError"}
     assert expected <= set(cp_attention.__all__)
     assert all(getattr(cp_attention, name) is not None for name in cp_attention.__all__)
     assert issubclass(cp_attention.StepError, ValueError)

@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from cp_attention.backend import CPAttentionBackend
 from cp_attention.config import CPConfig, CPRanks
-from cp_attention.errors import AttentionLayerError, OpsInputError, StepError
+from cp_attention import envs
+from cp_attention.errors import AttentionLayerError, KernelFallbackError, OpsInputError, StepError
 from cp_attention.impl.base import BaseAttentionImpl
 from cp_attention.impl.cp import CPAttentionImpl
 from cp_attention.metadata.builder import CPMetadataBuilder, MetadataBuilder
@@ -32,7 +33,7 @@ from cp_attention.ops import CudaOps, NpuOps, ReferenceOps, get_ops
 from cp_attention.ops.checks import (validate_cu_seqlens, validate_kv_cache_shape_args,
                                      validate_merge_inputs, validate_paged_inputs,
                                      validate_slot_mapping, validate_varlen_inputs)
-from cp_attention.ops.reference import attend_dense
+from cp_attention.ops.interface import Mask
 from cp_attention.parallel import CPGroups, backend_for_device
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
@@ -66,6 +67,12 @@ def impl(debug: bool = False, **kwargs) -> BaseAttentionImpl:
 
 def qkv(rows=4, dtype=torch.float32):
     return tuple(torch.randn(rows, H, D, dtype=dtype) for _ in range(3))
+
+
+def strict(call: Callable[[], object]) -> object:
+    """``call()`` with ``CP_ATTENTION_STRICT_OPS=1``: a kernel op's fallback is an error."""
+    with envs.overridden(CP_ATTENTION_STRICT_OPS="1"):
+        return call()
 
 
 def cache(num_blocks=4, block_size=BS, dtype=torch.float32):
@@ -328,9 +335,10 @@ CASES: list[Case] = [
     # -- ops and backend: O(1) argument checks of every op call -------------------------
     Case("get_ops", "kind='bogus' on cuda", ValueError, r"ops kind must be .* got 'bogus'",
          lambda: get_ops("cuda", "bogus")),
-    Case("attend_dense", "window with causal=False", ValueError,
-         r"a sliding window requires causal attention",
-         lambda: attend_dense(*qkv(), scale=1.0, causal=False, window=2)),
+    Case("Mask", "window with causal=False", OpsInputError,
+         r"a sliding window requires causal attention", lambda: Mask(causal=False, window=2)),
+    Case("Mask", "window=True", OpsInputError, r"window must be an integer >= 1 or None, got True",
+         lambda: Mask(causal=True, window=True)),
     Case("ReferenceOps.varlen_attention", "window with causal=False", OpsInputError,
          r"a sliding window requires causal attention",
          lambda: ReferenceOps().varlen_attention(*qkv(), torch.tensor([0, 4]), torch.tensor([0, 4]),
@@ -348,6 +356,10 @@ CASES: list[Case] = [
          r"block_table must be a 2-D integer tensor",
          lambda: ReferenceOps().paged_attention(qkv()[0], *cache(), torch.zeros(1, 1),
                                                 torch.tensor([0, 4]), torch.tensor([3]), scale=1.0)),
+    Case("NpuOps.varlen_attention", "float32 q, CP_ATTENTION_STRICT_OPS=1", KernelFallbackError,
+         r"NpuOps\.varlen_attention: its kernel does not take this call \(q dtype torch\.float32\)",
+         lambda: strict(lambda: NpuOps().varlen_attention(
+             *qkv(), torch.tensor([0, 4]), torch.tensor([0, 4]), scale=1.0, causal=True))),
     Case("NpuOps.paged_attention", "2 seq_lens, 1 table row", OpsInputError,
          r"block_table has 1 rows, cu_seqlens_q 1 requests, seq_lens 2",
          lambda: NpuOps(kernel_dtypes=None).paged_attention(

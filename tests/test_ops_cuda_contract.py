@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from cp_attention.ops import cuda_args, paged_plan
 from cp_attention.ops.cuda import CudaOps
-from cp_attention.ops.interface import used_key_lengths, used_key_rows
+from cp_attention.ops.interface import Mask, used_key_lengths, used_key_rows
 from cp_attention.ops.reference import ReferenceOps
 
 HYP = settings(max_examples=20, deadline=None, derandomize=True, database=None,
@@ -132,11 +132,12 @@ def _check(out, lse, ref_out, ref_lse, tight=True):
 # ---------------------------------------------------------------- pure argument preparation
 
 def test_window_size_exact():
-    assert cuda_args.window_size(False, None) == (-1, -1)
-    assert cuda_args.window_size(True, None) == (-1, 0)
-    assert cuda_args.window_size(True, 4) == (3, 0)
+    """flash-attn's window_size is the mask's bounds."""
+    assert Mask(False).bounds == (-1, -1)
+    assert Mask(True).bounds == (-1, 0)
+    assert Mask(True, 4).bounds == (3, 0)
     with pytest.raises(ValueError):
-        cuda_args.window_size(False, 2)
+        Mask(False, 2)
 
 
 def test_small_helpers_exact():
@@ -145,9 +146,10 @@ def test_small_helpers_exact():
     assert cuda_args.max_seqlen([0, 2, 5, 5]) == 3 and cuda_args.max_seqlen([0]) == 0
     assert torch.equal(cuda_args.lse_to_th(torch.arange(6.0).view(2, 3), 3, 2),
                        torch.arange(6.0).view(2, 3).T)
-    assert cuda_args.dense_visibility(2, 4, True, 2).tolist() == [[False, True, True, False],
-                                                           [False, False, True, True]]
-    assert cuda_args.dense_visibility(3, 1, True, None).tolist() == [[False], [False], [True]]
+    assert cuda_args.dense_visibility(2, 4, Mask(True, 2)).tolist() == [
+        [False, True, True, False], [False, False, True, True]]
+    assert cuda_args.dense_visibility(3, 1, Mask(True)).tolist() == [[False], [False], [True]]
+    assert cuda_args.dense_visibility(2, 3, Mask(False)).all()
 
 
 def test_paged_gather_exact():
@@ -157,9 +159,9 @@ def test_paged_gather_exact():
     slots, bounds = cuda_args.paged_gather(table, call, 4)
     assert slots.tolist() == [16, 17, 18, 8, 9, 10, 11, 0]
     assert bounds == [0, 3, 8]
-    assert cuda_args.call_flags(paged_plan.KernelCall("band", 3)) == (True, 3)
-    assert cuda_args.call_flags(paged_plan.KernelCall("causal")) == (True, None)
-    assert cuda_args.call_flags(call) == (False, None)
+    assert paged_plan.KernelCall("band", 3).interface_mask() == Mask(True, 3)
+    assert paged_plan.KernelCall("causal").interface_mask() == Mask(True, None)
+    assert call.interface_mask() == Mask(False, None)
 
 
 # ---------------------------------------------------------------- end to end vs ReferenceOps

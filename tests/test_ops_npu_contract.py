@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cp_attention.ops import npu_args, paged_plan
+from cp_attention.ops.interface import Mask
 from cp_attention.ops.npu import NpuOps
 from cp_attention.ops.reference import ReferenceOps
 
@@ -83,12 +84,12 @@ def test_cumulative_lengths_exact():
 
 
 def test_sparse_args_exact():
-    assert npu_args.sparse_args(False, None) == (0, npu_args.MAX_TOKENS, npu_args.MAX_TOKENS)
-    assert npu_args.sparse_args(True, None) == (3, npu_args.MAX_TOKENS, 0)
-    assert npu_args.sparse_args(True, 5) == (4, 4, 0)
-    assert npu_args.band_tokens(1) == (0, 0)
+    assert npu_args.sparse_args(Mask(False)) == (0, npu_args.MAX_TOKENS, npu_args.MAX_TOKENS)
+    assert npu_args.sparse_args(Mask(True)) == (3, npu_args.MAX_TOKENS, 0)
+    assert npu_args.sparse_args(Mask(True, 5)) == (4, 4, 0)
+    assert npu_args.band_tokens(Mask(True, 1)) == (0, 0)
     with pytest.raises(ValueError):
-        npu_args.sparse_args(False, 4)
+        npu_args.sparse_args(Mask(False, 4))
     assert npu_args.needs_compressed_mask(3) and npu_args.needs_compressed_mask(4)
     assert not npu_args.needs_compressed_mask(0)
 
@@ -108,9 +109,9 @@ def test_lse_to_th():
 
 def test_visible_rows_dense_exact():
     cu_q, cu_k = [0, 3, 4, 6], [0, 2, 2, 7]
-    assert npu_args.visible_rows_dense(cu_q, cu_k, True, None).tolist() == [
+    assert npu_args.visible_rows_dense(cu_q, cu_k, True).tolist() == [
         False, True, True, False, True, True]
-    assert npu_args.visible_rows_dense(cu_q, cu_k, False, None).tolist() == [
+    assert npu_args.visible_rows_dense(cu_q, cu_k, False).tolist() == [
         True, True, True, False, True, True]
 
 
@@ -137,16 +138,16 @@ def test_plan_paged_exact():
     causal = by_mask[("causal", None)]
     assert causal.query_rows() == [0, 1, 2] and causal.cu_seqlens_q() == [0, 3]
     assert causal.kv_lengths() == [6]
-    assert npu_args.call_sparse_args(causal) == (3, npu_args.MAX_TOKENS, 0)
+    assert npu_args.sparse_args(causal.interface_mask()) == (3, npu_args.MAX_TOKENS, 0)
     band7 = by_mask[("band", 7)]
     assert band7.query_rows() == [3] and band7.kv_lengths() == [9]
-    assert npu_args.call_sparse_args(band7) == (4, 6, 0)
+    assert npu_args.sparse_args(band7.interface_mask()) == (4, 6, 0)
     full = by_mask[("full", None)]
     assert full.requests == [paged_plan.VirtualRequest((4,), 2, 1, 2)]
-    assert npu_args.call_sparse_args(full) == (0, npu_args.MAX_TOKENS, npu_args.MAX_TOKENS)
+    assert npu_args.sparse_args(full.interface_mask()) == (0, npu_args.MAX_TOKENS, npu_args.MAX_TOKENS)
     band2 = by_mask[("band", 2)]
     assert band2.requests == [paged_plan.VirtualRequest((5,), 2, 1, 3)]
-    assert npu_args.call_sparse_args(band2) == (4, 1, 0)
+    assert npu_args.sparse_args(band2.interface_mask()) == (4, 1, 0)
     assert visible.tolist() == [True] * 6 + [False]
     table = torch.tensor([[7, 8, 9], [1, 2, 3], [4, 5, 6]])
     assert npu_args.gather_block_table(table, full).tolist() == [[5, 6, 0]]

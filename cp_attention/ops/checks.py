@@ -8,7 +8,8 @@ Two costs, one rule for every op implementation:
     not run them; the impl runs those of its own inputs once per call in debug mode
     (:func:`cp_attention.impl.checks.check_forward_values`), and callers of the ops may too.
 Each raises :class:`~cp_attention.errors.OpsInputError` (a ``ValueError``) naming the argument
-and its value.
+and its value. The mask (causal, window) is checked where the op makes its
+:class:`~cp_attention.ops.interface.Mask`.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 from cp_attention.config import is_int
 from cp_attention.errors import OpsInputError
 from cp_attention.mathutils import ceil_div
+from cp_attention.ops.interface import Mask
 
 
 def validate_slot_mapping(slot_mapping: torch.Tensor, num_slots: int, num_rows: int | None = None,
@@ -78,7 +80,6 @@ def _check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_name: str)
 
 def check_varlen_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
-                      window: int | None = None, causal: bool = True,
                       seqused_k: torch.Tensor | None = None) -> None:
     """O(1) checks of ``AttentionOps.varlen_attention``: q [Tq, Hq, D], k/v [Tk, Hkv, D],
     seqused_k None or [R] integer."""
@@ -92,20 +93,17 @@ def check_varlen_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                   or seqused_k.numel() != cu_seqlens_k.numel() - 1):
         raise OpsInputError(f"seqused_k must be a 1-D integer tensor of {cu_seqlens_k.numel() - 1}"
                             f" requests, got {seqused_k.dtype} shape {tuple(seqused_k.shape)}")
-    if window is not None:
-        if not is_int(window) or window < 1:
-            raise OpsInputError(f"window must be an integer >= 1 or None, got {window!r}")
-        if not causal:
-            raise OpsInputError("a sliding window requires causal attention")
 
 
 def validate_varlen_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                            window: int | None = None,
                            seqused_k: torch.Tensor | None = None) -> None:
-    """All checks of ``varlen_attention`` (O(requests)): the O(1) ones, both offsets and
-    ``0 <= seqused_k[i] <= cu_seqlens_k[i + 1] - cu_seqlens_k[i]``."""
-    check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, window, seqused_k=seqused_k)
+    """All checks of ``varlen_attention`` (O(requests)): the O(1) ones, a causal
+    ``Mask(True, window)``, both offsets and ``0 <= seqused_k[i] <= cu_seqlens_k[i + 1] -
+    cu_seqlens_k[i]``."""
+    check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k)
+    Mask(True, window)
     validate_cu_seqlens(cu_seqlens_q, q.shape[0], "cu_seqlens_q")
     validate_cu_seqlens(cu_seqlens_k, k.shape[0], "cu_seqlens_k")
     if seqused_k is not None:

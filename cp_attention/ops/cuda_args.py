@@ -3,8 +3,9 @@
 flash-attn 2 conventions (``flash_attn/flash_attn_interface.py``, ``flash_attn_varlen_func``):
 ``cu_seqlens_q/k`` int32 [B + 1] on the device, python-int ``max_seqlen_q/k``, ``causal`` is
 bottom-right aligned, ``window_size=(left, right)`` shows keys ``pos - left <= k <= pos +
-right`` (-1 = unbounded), and with ``return_attn_probs=True`` the varlen LSE is ``[H, total_q]``
-float32 (``+inf`` for rows that see no key, which callers turn into ``-inf``). ``seqused_k``
+right`` (-1 = unbounded: the interface's ``Mask.bounds``), and with ``return_attn_probs=True``
+the varlen LSE is ``[H, total_q]`` float32 (``+inf`` for rows that see no key, which callers
+turn into ``-inf``). ``seqused_k``
 (int32 [B], request i uses the first ``seqused_k[i]`` keys of its ``cu_seqlens_k`` range) is a
 keyword of the varlen function in vLLM's ``vllm_flash_attn`` and flash-attn 3 and an argument
 of flash-attn 2's C++ ``varlen_fwd``, but flash-attn 2's Python ``flash_attn_varlen_func``
@@ -19,20 +20,10 @@ import inspect
 from typing import Callable
 
 from cp_attention.mathutils import ceil_div
+from cp_attention.ops.interface import Mask
 from cp_attention.ops.paged_plan import KernelCall
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
-
-
-def window_size(causal: bool, window: int | None) -> tuple[int, int]:
-    """flash-attn ``window_size`` for the interface's flags (window ``w`` -> ``(w - 1, 0)``)."""
-    if window is None:
-        return (-1, -1) if not causal else (-1, 0)
-    if not causal:
-        raise ValueError("a sliding window requires causal attention")
-    if window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
-    return window - 1, 0
 
 
 def int32_cu_seqlens(cu_seqlens: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -52,22 +43,18 @@ def lse_to_th(lse: torch.Tensor, num_tokens: int, num_heads: int) -> torch.Tenso
     return lse.transpose(0, 1)
 
 
-def dense_visibility(nq: int, nk: int, causal: bool, window: int | None,
+def dense_visibility(nq: int, nk: int, mask: Mask,
                      device: torch.device | str = "cpu") -> torch.Tensor:
-    """[nq, nk] bool of visible keys under the interface's bottom-right mask rules."""
+    """[nq, nk] bool of the keys ``mask`` shows (its bounds around each bottom-right position)."""
     pos = (torch.arange(nq, device=device) + (nk - nq))[:, None]
     keys = torch.arange(nk, device=device)[None, :]
     vis = torch.ones(nq, nk, dtype=torch.bool, device=device)
-    if causal:
-        vis &= keys <= pos
-    if window is not None:
-        vis &= keys > pos - window
+    left, right = mask.bounds
+    if right >= 0:
+        vis &= keys <= pos + right
+    if left >= 0:
+        vis &= keys >= pos - left
     return vis
-
-
-def call_flags(call: KernelCall) -> tuple[bool, int | None]:
-    """A planned paged call's (causal, window) in interface terms."""
-    return call.mask != "full", call.window
 
 
 def paged_gather(block_table: torch.Tensor, call: KernelCall,

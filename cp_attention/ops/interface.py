@@ -5,11 +5,15 @@ the attention output together with its log-sum-exp so that partial results can b
 exactly. Outputs of the attention ops are in the accumulation dtype (float32, or float64 for
 float64 inputs): partial results are merged in that precision and cast once by the caller.
 
-Mask conventions (shared by every implementation):
+Mask conventions (shared by every implementation; :class:`Mask` is their one description):
   * causal masks are bottom-right aligned: in a request with ``n_q`` queries and ``n_k`` keys,
     query ``i`` sits at key position ``n_k - n_q + i`` and sees keys ``<=`` that position;
   * a sliding window ``w`` additionally hides keys at positions ``<= pos - w``;
   * a query row that sees no key at all returns output 0 and LSE ``-inf`` (never NaN).
+
+A kernel implementation hands a call its kernel does not take (a dtype, device or stride) to
+pure torch (``ReferenceOps``; CUDA's explicit math) only through :func:`falls_back`: logged
+once per op and reason, an error under ``CP_ATTENTION_STRICT_OPS``.
 
 Index tensors (``cu_seqlens_*``, ``seq_lens``, ``block_table``, ``slot_mapping``, ``kv_start``,
 ``kv_end``) may live on the host, where the metadata builder makes them: each implementation
@@ -17,11 +21,67 @@ moves what its kernel reads to the device itself (a CPU caller pays no transfer 
 """
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from cp_attention.errors import OpsInputError
+from cp_attention import envs
+from cp_attention.config import is_int
+from cp_attention.errors import KernelFallbackError, OpsInputError
+
+log = logging.getLogger("cp_attention")
+_FALLBACKS_LOGGED: set[tuple[str, str]] = set()
+
+
+@dataclass(frozen=True)
+class Mask:
+    """The key visibility of a ``varlen_attention`` call, checked once when made: bottom-right
+    ``causal``, and a sliding ``window`` of ``w >= 1`` keys (``pos - w < k <= pos``; causal only).
+    Each backend translates it: :attr:`bounds` (flash-attn's ``window_size``, the NPU's
+    pre/next tokens), :attr:`kernel_window` (the C++ kernel's)."""
+
+    causal: bool
+    window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.window is not None:
+            if not is_int(self.window) or self.window < 1:
+                raise OpsInputError(f"window must be an integer >= 1 or None, got "
+                                    f"{self.window!r}")
+            if not self.causal:
+                raise OpsInputError("a sliding window requires causal attention")
+
+    @property
+    def bounds(self) -> tuple[int, int]:
+        """(left, right): the query at key position ``p`` sees keys ``p - left <= k <= p +
+        right``, -1 = unbounded; window ``w`` -> ``(w - 1, 0)``."""
+        if self.window is not None:
+            return self.window - 1, 0
+        return (-1, 0) if self.causal else (-1, -1)
+
+    @property
+    def kernel_window(self) -> int:
+        """The C++ kernels' window argument: ``w``, 0 for none."""
+        return 0 if self.window is None else int(self.window)
+
+
+def falls_back(op: str, reason: str | None) -> bool:
+    """Whether kernel op ``op`` hands its call to pure torch: ``reason`` (why its kernel does
+    not take the call, e.g. "q dtype torch.float64") or None (the kernel runs it). Each
+    (op, reason) is logged once per process at WARNING on the ``cp_attention`` logger; under
+    ``CP_ATTENTION_STRICT_OPS`` a fallback raises :class:`KernelFallbackError` instead."""
+    if reason is None:
+        return False
+    if envs.CP_ATTENTION_STRICT_OPS:
+        raise KernelFallbackError(f"{op}: its kernel does not take this call ({reason}) and "
+                                  f"CP_ATTENTION_STRICT_OPS forbids the pure-torch fallback")
+    if (op, reason) not in _FALLBACKS_LOGGED:
+        _FALLBACKS_LOGGED.add((op, reason))
+        log.warning("cp_attention: %s falls back from its kernel to pure torch: %s (logged once "
+                    "per reason)", op, reason)
+    return True
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:

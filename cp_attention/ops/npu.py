@@ -14,7 +14,9 @@ paged calls in :mod:`cp_attention.ops.paged_plan`; see docs/devices.md):
 * ``merge_attn_states`` -> ``torch_npu.npu_attention_update`` (update_type=1) when present.
 
 The fused op takes float16/bfloat16 only; other dtypes (float32/float64 tests) go to
-:class:`~cp_attention.ops.reference.ReferenceOps` unless ``kernel_dtypes`` says otherwise.
+:class:`~cp_attention.ops.reference.ReferenceOps` unless ``kernel_dtypes`` says otherwise, a
+fallback (:func:`~cp_attention.ops.interface.falls_back`: logged once per reason, an error
+under ``CP_ATTENTION_STRICT_OPS``), as is the portable merge without ``npu_attention_update``.
 ``_npu_paged_attention`` is not used: it returns no LSE, which the interface requires.
 torch_npu is imported lazily, on first use.
 """
@@ -27,8 +29,8 @@ import torch
 
 from cp_attention.ops import npu_args
 from cp_attention.ops.checks import check_cache_write_args, check_paged_args, check_varlen_args
-from cp_attention.ops.interface import (AttentionOps, accumulation_dtype, empty_result,
-                                        used_key_lengths, used_key_rows)
+from cp_attention.ops.interface import (AttentionOps, Mask, accumulation_dtype, empty_result,
+                                        falls_back, used_key_lengths, used_key_rows)
 from cp_attention.ops.merge import merge_attn_states
 from cp_attention.ops.paged_plan import plan_paged
 from cp_attention.ops.reference import ReferenceOps
@@ -60,8 +62,10 @@ class NpuOps(AttentionOps):
     def torch_npu(self) -> ModuleType:
         return _load_torch_npu()
 
-    def _native(self, dtype: torch.dtype) -> bool:
-        return self.kernel_dtypes is None or dtype in self.kernel_dtypes
+    def _falls_back(self, op: str, name: str, dtype: torch.dtype) -> bool:
+        """Whether ``op`` hands a call whose ``name`` is of ``dtype`` to ``ReferenceOps``."""
+        native = self.kernel_dtypes is None or dtype in self.kernel_dtypes
+        return falls_back(f"NpuOps.{op}", None if native else f"{name} dtype {dtype}")
 
     def _mask(self, sparse_mode: int, device: torch.device) -> torch.Tensor | None:
         if not npu_args.needs_compressed_mask(sparse_mode):
@@ -83,11 +87,12 @@ class NpuOps(AttentionOps):
     def varlen_attention(self, q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal,
                          window=None, seqused_k=None):
         """q [Tq, Hq, D], k/v [Tk, Hkv, D] -> (out [Tq, Hq, D] acc dtype, lse [Tq, Hq])."""
-        if not self._native(q.dtype):
+        if self._falls_back("varlen_attention", "q", q.dtype):
             return self._reference.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                     scale=scale, causal=causal, window=window,
                                                     seqused_k=seqused_k)
-        check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, window, causal, seqused_k)
+        check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k)
+        mask = Mask(causal, window)
         acc = accumulation_dtype(q.dtype)
         cu_q = [0] + npu_args.cumulative_lengths(cu_seqlens_q)
         cu_k = [0] + npu_args.cumulative_lengths(cu_seqlens_k)
@@ -96,10 +101,10 @@ class NpuOps(AttentionOps):
             if used != used_key_lengths(cu_k, None):  # TND has no gaps: pack the prefixes
                 rows, cu_k = used_key_rows(cu_k, used, k.device)
                 k, v = k.index_select(0, rows), v.index_select(0, rows)
-        visible = npu_args.visible_rows_dense(cu_q, cu_k, causal, window)
+        visible = npu_args.visible_rows_dense(cu_q, cu_k, mask.causal)
         if q.shape[0] == 0 or k.shape[0] == 0 or not bool(visible.any()):
             return empty_result(q, acc)
-        mode, pre, nxt = npu_args.sparse_args(causal, window)
+        mode, pre, nxt = npu_args.sparse_args(mask)
         out, lse = self.torch_npu.npu_fused_infer_attention_score(
             q.contiguous(), k.contiguous(), v.contiguous(),
             atten_mask=self._mask(mode, q.device),
@@ -112,7 +117,7 @@ class NpuOps(AttentionOps):
     def paged_attention(self, q, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens,
                         *, scale, kv_start=None, kv_end=None):
         """q [Tq, Hq, D]; caches [num_blocks, block_size, Hkv, D]; block_table [R, max_blocks]."""
-        if not self._native(q.dtype):
+        if self._falls_back("paged_attention", "q", q.dtype):
             return self._reference.paged_attention(
                 q, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, scale=scale,
                 kv_start=kv_start, kv_end=kv_end)
@@ -129,7 +134,7 @@ class NpuOps(AttentionOps):
         for call in calls:
             rows = torch.tensor(call.query_rows(), dtype=torch.long, device=q.device)
             q_call = q.index_select(0, rows).contiguous()
-            mode, pre, nxt = npu_args.call_sparse_args(call)
+            mode, pre, nxt = npu_args.sparse_args(call.interface_mask())
             o_call, l_call = self.torch_npu.npu_fused_infer_attention_score(
                 q_call, keys, values,
                 atten_mask=self._mask(mode, q.device),
@@ -146,7 +151,7 @@ class NpuOps(AttentionOps):
 
     def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping):
         """Scatter key/value [T, Hkv, D] into the caches at ``slot_mapping`` (-1 skipped)."""
-        if not self._native(key_cache.dtype):
+        if self._falls_back("reshape_and_cache", "key_cache", key_cache.dtype):
             self._reference.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
             return
         check_cache_write_args(key, value, key_cache, value_cache, slot_mapping)
@@ -158,7 +163,9 @@ class NpuOps(AttentionOps):
     def merge_attn_states(self, out_a, lse_a, out_b, lse_b):
         """npu_attention_update when present and float32; rows empty on both sides fixed up."""
         update = getattr(self.torch_npu, "npu_attention_update", None)
-        if update is None or out_a.dtype != torch.float32 or out_a.numel() == 0:
+        reason = ("torch_npu has no npu_attention_update" if update is None else
+                  f"out_a dtype {out_a.dtype}" if out_a.dtype != torch.float32 else None)
+        if out_a.numel() == 0 or falls_back("NpuOps.merge_attn_states", reason):
             return merge_attn_states(out_a, lse_a, out_b, lse_b)
         t, h, d = out_a.shape
         lses, outs = npu_args.attention_update_inputs(out_a, lse_a, out_b, lse_b)

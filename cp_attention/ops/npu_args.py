@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from cp_attention.ops.interface import Mask
 from cp_attention.ops.paged_plan import KernelCall
 
 SPARSE_NONE = 0
@@ -36,28 +37,23 @@ def cumulative_lengths(cu_seqlens: torch.Tensor) -> list[int]:
     return bounds[1:]
 
 
-def band_tokens(window: int) -> tuple[int, int]:
-    """(pre_tokens, next_tokens) for a causal sliding window of ``window`` keys.
+def band_tokens(mask: Mask) -> tuple[int, int]:
+    """(pre_tokens, next_tokens) of a mask under the band rule above: its ``bounds``, unbounded
+    (-1) as :data:`MAX_TOKENS`.
 
     The interface's window ``w`` shows keys ``pos - w < k <= pos``: ``w`` keys including the
-    query's own position, i.e. ``pre_tokens = w - 1`` under the band rule above. (vllm-ascend
-    passes ``pre_tokens=sliding_window``; the real-NPU contract run decides which is right.)
+    query's own position, i.e. ``pre_tokens = w - 1``. (vllm-ascend passes
+    ``pre_tokens=sliding_window``; the real-NPU contract run decides which is right.)
     """
-    if window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
-    return window - 1, 0
+    pre, nxt = mask.bounds
+    return MAX_TOKENS if pre < 0 else pre, MAX_TOKENS if nxt < 0 else nxt
 
 
-def sparse_args(causal: bool, window: int | None) -> tuple[int, int, int]:
-    """(sparse_mode, pre_tokens, next_tokens) for the interface's causal/window flags."""
-    if window is not None:
-        if not causal:
-            raise ValueError("a sliding window requires causal attention")
-        pre, nxt = band_tokens(window)
-        return SPARSE_BAND, pre, nxt
-    if causal:
-        return SPARSE_RIGHT_DOWN_CAUSAL, MAX_TOKENS, 0
-    return SPARSE_NONE, MAX_TOKENS, MAX_TOKENS
+def sparse_args(mask: Mask) -> tuple[int, int, int]:
+    """(sparse_mode, pre_tokens, next_tokens) of the interface's mask."""
+    mode = (SPARSE_BAND if mask.window is not None else
+            SPARSE_RIGHT_DOWN_CAUSAL if mask.causal else SPARSE_NONE)
+    return (mode, *band_tokens(mask))
 
 
 def needs_compressed_mask(sparse_mode: int) -> bool:
@@ -78,8 +74,7 @@ def lse_to_th(lse: torch.Tensor, num_tokens: int, num_heads: int) -> torch.Tenso
     return lse.squeeze(-1)
 
 
-def visible_rows_dense(cu_q: list[int], cu_k: list[int], causal: bool,
-                       window: int | None) -> torch.Tensor:
+def visible_rows_dense(cu_q: list[int], cu_k: list[int], causal: bool) -> torch.Tensor:
     """[Tq] bool: whether each packed query row sees at least one key (varlen semantics).
 
     cu_q / cu_k: full [R + 1] cumulative bounds. Causal rows at position < 0 see nothing;
@@ -96,11 +91,6 @@ def visible_rows_dense(cu_q: list[int], cu_k: list[int], causal: bool,
         else:
             rows.append(torch.ones(nq, dtype=torch.bool))
     return torch.cat(rows) if rows else torch.zeros(0, dtype=torch.bool)
-
-
-def call_sparse_args(call: KernelCall) -> tuple[int, int, int]:
-    """(sparse_mode, pre_tokens, next_tokens) of a planned paged call."""
-    return sparse_args(call.mask != "full", call.window)
 
 
 def gather_block_table(block_table: torch.Tensor, call: KernelCall) -> torch.Tensor:

@@ -4,8 +4,8 @@ Kernels with paged K/V (torch_npu's fused attention, and the packed varlen path 
 ops) take one mask kind per call, while the interface allows any per-query key range
 ``[kv_start[i], kv_end[i])``. :func:`plan_paged` groups requests whose ranges one mask
 expresses ("full", bottom-right "causal", or "band" = causal with a window) and cuts the others
-into one-row requests. Pure python over python ints; each device maps a :class:`KernelCall`'s
-mask to its own arguments (``npu_args.call_sparse_args``, ``cuda_args.call_flags``).
+into one-row requests. Pure python over python ints; each device translates a
+:class:`KernelCall`'s :meth:`~KernelCall.interface_mask` to its own arguments.
 """
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 
 import torch
+
+from cp_attention.ops.interface import Mask
 
 MASKS = ("full", "causal", "band")
 
@@ -37,6 +39,10 @@ class KernelCall:
     mask: str
     window: int | None = None
     requests: list[VirtualRequest] = field(default_factory=list)
+
+    def interface_mask(self) -> Mask:
+        """The call's mask as the interface describes it (the devices translate that one)."""
+        return Mask(self.mask != "full", self.window)
 
     def query_rows(self) -> list[int]:
         """Packed query rows of the call, request after request."""

@@ -14,7 +14,7 @@ import torch
 from cp_attention.errors import OpsInputError
 from cp_attention.mathutils import ceil_div
 from cp_attention.ops.checks import check_cache_write_args, check_paged_args, check_varlen_args
-from cp_attention.ops.interface import AttentionOps, accumulation_dtype, empty_result
+from cp_attention.ops.interface import AttentionOps, Mask, accumulation_dtype, empty_result
 from cp_attention.ops.merge import merge_attn_states
 
 _QUERY_BLOCK = 512  # query rows per masked block
@@ -75,23 +75,22 @@ def _ranged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
 
 
 def attend_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
-                 causal: bool, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 mask: Mask) -> tuple[torch.Tensor, torch.Tensor]:
     """One request: q [nq, Hq, D], k/v [nk, Hkv, D] -> (out, lse) in the accumulation dtype."""
     acc = accumulation_dtype(q.dtype)
     nq, nk = q.shape[0], k.shape[0]
     if nq == 0 or nk == 0:
         return empty_result(q, acc)
     q, k, v = q.to(acc), k.to(acc), v.to(acc)
-    if window is not None:
-        if not causal:
-            raise ValueError("a sliding window requires causal attention")
-        rows = torch.arange(nq, device=q.device) + (nk - nq)
-        return _ranged(q, k, v, scale, (rows - window + 1).clamp(min=0), (rows + 1).clamp(min=0))
-    if not causal:
+    if mask.window is not None:
+        rows = torch.arange(nq, device=q.device) + (nk - nq)  # keys [row - left, row]
+        return _ranged(q, k, v, scale, (rows - mask.bounds[0]).clamp(min=0),
+                       (rows + 1).clamp(min=0))
+    if not mask.causal:
         return _fused(q, k, v, scale, False)
     if nq > nk:  # the first nq - nk queries see nothing
         out, lse = empty_result(q, acc)
-        out[nq - nk:], lse[nq - nk:] = attend_dense(q[nq - nk:], k, v, scale=scale, causal=True)
+        out[nq - nk:], lse[nq - nk:] = attend_dense(q[nq - nk:], k, v, scale=scale, mask=mask)
         return out, lse
     diag_out, diag_lse = _fused(q, k[nk - nq:], v[nk - nq:], scale, True)
     if nk == nq:
@@ -111,7 +110,8 @@ class ReferenceOps(AttentionOps):
 
     def varlen_attention(self, q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal,
                          window=None, seqused_k=None):
-        check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, window, causal, seqused_k)
+        check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k)
+        mask = Mask(causal, window)
         acc = accumulation_dtype(q.dtype)
         out, lse = empty_result(q, acc)
         bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
@@ -125,7 +125,7 @@ class ReferenceOps(AttentionOps):
                 ke = ks + used[r]
             if qe > qs and ke > ks:
                 out[qs:qe], lse[qs:qe] = attend_dense(
-                    q[qs:qe], k[ks:ke], v[ks:ke], scale=scale, causal=causal, window=window)
+                    q[qs:qe], k[ks:ke], v[ks:ke], scale=scale, mask=mask)
         return out, lse
 
     def paged_attention(self, q, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens,
