@@ -137,7 +137,7 @@ def layer_task(rank: int, get_groups, tokens: int, variant: str) -> dict:
         peak = _status_kib("VmHWM")
     finally:
         self_part.pcp_prefill_attention = prefill
-    return {"rank": rank, "variant": variant, "local_rows": meta.num_actual_tokens,
+    return {"rank": rank, "variant": variant, "local_rows": meta.num_local_rows,
             "kv_bytes_materialized": copied, "peak_extra_bytes": (peak - rss_before) * 1024,
             "stages": stages,
             "forward_s": seconds, "output_finite": bool(out.float().isfinite().all())}

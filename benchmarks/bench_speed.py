@@ -79,7 +79,7 @@ def time_forward(pcp: int, rank: int, groups, tokens: int, repeats: int,
         cpus.append(time.process_time() - cpu)
         walls.append(time.perf_counter() - wall)
     return {"wall_s": min(walls), "cpu_s": min(cpus), "walls": walls,
-            "local_rows": meta.num_actual_tokens, "output_finite": bool(out.isfinite().all())}
+            "local_rows": meta.num_local_rows, "output_finite": bool(out.isfinite().all())}
 
 
 def time_single_device(tokens: int, repeats: int, heads: tuple[int, int]) -> dict:

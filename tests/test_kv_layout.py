@@ -235,7 +235,7 @@ def _context_rows(meta, cfg: CPConfig, computed, scheduled):
                 positions.append(computed[r] + j)
                 real.append(j < n)
         return np.array(reqs), np.array(positions), np.array(real)
-    rows = meta.num_actual_tokens
+    rows = meta.num_local_rows
     idx = meta.local_token_idx[:rows].numpy()
     cu = np.concatenate([[0], np.cumsum(scheduled)])
     real = idx >= 0

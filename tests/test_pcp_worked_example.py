@@ -85,8 +85,9 @@ def test_split_indices(rank):
 @pytest.mark.parametrize("rank", [0, 1])
 def test_rows_and_slots(rank):
     meta = _meta(rank)
-    assert VllmAscendView(meta).attn_state is AttentionState.PrefillNoCache
-    assert meta.num_decode_tokens == 0 and meta.num_actual_tokens == 8
+    view = VllmAscendView(meta)  # vLLM-Ascend's num_actual_tokens: the 5 + 8 tokens, no pads
+    assert view.attn_state is AttentionState.PrefillNoCache and view.num_actual_tokens == 13
+    assert meta.num_decode_tokens == 0 and meta.num_local_rows == 8
     tokens, positions = EXPECTED_ROWS[rank]
     assert meta.local_token_idx.tolist() == tokens
     assert meta.positions.tolist() == positions

@@ -96,7 +96,7 @@ def test_graph_capture_padding_zeroes_extra_rows():
     config = CPConfig()
     builder = MetadataBuilder(config)
     meta = builder.build_for_graph_capture(4)
-    assert VllmAscendView(meta).attn_state == AttentionState.DecodeOnly and meta.num_actual_tokens == 4
+    assert VllmAscendView(meta).attn_state == AttentionState.DecodeOnly and meta.num_local_rows == 4
     spec = StepSpec((3, 5), (1, 1), torch.tensor([[0], [1]], dtype=torch.int32))
     meta = builder.build(spec, num_input_tokens=8)
     assert meta.num_input_tokens == 8 and meta.local_token_idx.tolist()[2:] == [-1] * 6

@@ -497,7 +497,7 @@ def test_pcp_metadata_from_vllm_shaped_batch():
     cu = np.concatenate([[0], np.cumsum(new)])
     for rank in range(2):
         step, meta = build(cm, config, CPRanks(rank, 0, 0))
-        rows = meta.local_token_idx[:meta.num_actual_tokens].numpy()
+        rows = meta.local_token_idx[:meta.num_local_rows].numpy()
         assert rows[:meta.num_decode_tokens].tolist() == [0, 59]  # decodes on every rank, first
         np.add.at(seen, rows[meta.num_decode_tokens:][rows[meta.num_decode_tokens:] >= 0], 1)
         # step rows: decodes, then each prefill's padded tokens in order (pads: -1)
@@ -557,7 +557,7 @@ def test_hidden_restore_rows_from_every_pcp_rank(new):
         for rank in range(2):
             step, meta = build(cm, config, CPRanks(rank, 0, 0))
             token_idx, pos = local_input_rows(meta)
-            real = meta.local_token_idx[:meta.num_actual_tokens] >= 0
+            real = meta.local_token_idx[:meta.num_local_rows] >= 0
             assert torch.equal(pos[real], positions[token_idx[real]])  # RoPE positions
             hidden = feature[token_idx]  # what the model computes for this rank's rows
             held = rows_holding(meta, wanted)
@@ -623,7 +623,7 @@ def test_pcp_impl_refuses_rows_the_runner_did_not_select(tmp_path, pcp_plugin, m
         impl = backend.CPVllmImpl(4, 32, 32 ** -0.5, 2)
     cm, _ = vllm_batch([30, 0], [1, 21], block_size=32)  # a decode and a 21-token prefill
     meta = builder.build(0, cm)
-    n, total = meta.num_actual_tokens, cm.num_actual_tokens
+    n, total = meta.inner.num_local_rows, cm.num_actual_tokens
     assert not meta.local_rows_fed and n != total  # 1 decode + 12 of 24 padded prefill rows
     q, kv = torch.randn(total, 4, 32), torch.randn(total, 2, 32)
     cache, out = torch.zeros(16, 2, 32, 64), torch.zeros(total, 4, 32)

@@ -101,15 +101,15 @@ def step_from_vllm(query_start_loc_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor
 
 
 def row_order(meta: AttentionMetadata, num_tokens: int) -> torch.Tensor | None:
-    """vLLM token index of each of our rows ([num_actual_tokens] int64), or None if identical.
+    """vLLM token index of each of our rows ([num_local_rows] int64), or None if identical.
 
     Only for layouts without padding rows (pcp_size == 1).
     """
-    idx = meta.local_token_idx[:meta.num_actual_tokens]
+    idx = meta.local_token_idx[:meta.num_local_rows]
     if idx.numel() == num_tokens and torch.equal(idx, torch.arange(num_tokens, dtype=idx.dtype)):
         return None
-    if meta.num_actual_tokens != num_tokens or bool((idx < 0).any()):
-        raise ValueError(f"rows ({meta.num_actual_tokens}, pads included) do not match vLLM's "
+    if meta.num_local_rows != num_tokens or bool((idx < 0).any()):
+        raise ValueError(f"rows ({meta.num_local_rows}, pads included) do not match vLLM's "
                          f"{num_tokens} tokens one to one (with pcp_size > 1 the PCP model "
                          "runner selects rows with local_input_rows, not row_order)")
     return idx
@@ -118,16 +118,16 @@ def row_order(meta: AttentionMetadata, num_tokens: int) -> torch.Tensor | None:
 def local_input_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
     """The vLLM token each row of this rank reads, and the rows' positions (PCP model input).
 
-    Returns (token_idx [num_actual_tokens] int64 with pads pointing at token 0, positions
-    [num_actual_tokens] int64 with 0 for pads). The attention impl masks pad rows.
+    Returns (token_idx [num_local_rows] int64 with pads pointing at token 0, positions
+    [num_local_rows] int64 with 0 for pads). The attention impl masks pad rows.
     """
-    rows = meta.local_token_idx[:meta.num_actual_tokens]
-    return rows.clamp(min=0), meta.positions[:meta.num_actual_tokens]
+    rows = meta.local_token_idx[:meta.num_local_rows]
+    return rows.clamp(min=0), meta.positions[:meta.num_local_rows]
 
 
 def rows_holding(meta: AttentionMetadata, tokens: torch.Tensor) -> torch.Tensor:
     """This rank's row of each vLLM token in ``tokens`` ([n] int64), -1 where it has none."""
-    rows = meta.local_token_idx[:meta.num_actual_tokens]
+    rows = meta.local_token_idx[:meta.num_local_rows]
     tokens = tokens.to(torch.int64)
     size = 1 + max(int(rows.max()) if rows.numel() else -1,
                    int(tokens.max()) if tokens.numel() else -1)
@@ -166,7 +166,7 @@ def step_row_tokens(meta: AttentionMetadata, step: StepSpec) -> torch.Tensor:
     """
     nd = meta.num_decode_tokens
     if meta.pcp_partition is None:
-        return meta.local_token_idx[:meta.num_actual_tokens]
+        return meta.local_token_idx[:meta.num_local_rows]
     req, pos = meta.pcp_partition.restored_rows(meta.chunk_lens)
     req = meta.prefill_reqs[req]
     new = step.scheduled[req]

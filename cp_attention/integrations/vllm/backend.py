@@ -145,9 +145,9 @@ class KVShardStats:
 class CPVllmMetadata:
     """Our per-rank metadata plus what the impl needs to map rows back to vLLM's order."""
 
-    inner: AttentionMetadata
-    num_actual_tokens: int  # rows the layer computes: vLLM's real tokens, or PCP local rows
-    row_idx: torch.Tensor | None  # [num_actual_tokens] vLLM token of each of our rows; None = same
+    inner: AttentionMetadata  # inner.num_local_rows: the rows the layer attends (vLLM's real
+    # tokens without PCP; the rest of its input is vLLM's batch padding)
+    row_idx: torch.Tensor | None  # [num_local_rows] vLLM token of each of our rows; None = same
     block_size: int
     slot_mapping: torch.Tensor  # vLLM's (kept for code that reads it generically)
     num_vllm_tokens: int  # vLLM's real tokens of the step
@@ -198,8 +198,7 @@ class CPVllmMetadataBuilder(AttentionMetadataBuilder[CPVllmMetadata]):
             log.info("cp_attention: row order differs from vLLM's batch order (our rows put "
                      "decodes first); rows are gathered and scattered")
         qsl = cm.query_start_loc_cpu[:cm.num_reqs + 1].to(torch.int64)
-        num_rows = meta.num_actual_tokens if self.config.pcp_size > 1 else step.num_new_tokens
-        return CPVllmMetadata(meta, num_rows, rows, self.config.block_size, cm.slot_mapping,
+        return CPVllmMetadata(meta, rows, self.config.block_size, cm.slot_mapping,
                               step.num_new_tokens, qsl[1:] - 1)
 
 
@@ -258,7 +257,7 @@ class CPVllmImpl(AttentionImpl[CPVllmMetadata]):
         """query [T, Hq, D], key/value [T, Hkv, D], output [T, Hq, D] (T may be padded)."""
         if attn_metadata is None:  # profiling / warm-up run: nothing to attend
             return output
-        meta, n = attn_metadata, attn_metadata.num_actual_tokens
+        meta, n = attn_metadata, attn_metadata.inner.num_local_rows
         if self.config.pcp_size > 1 and not (meta.local_rows_fed and query.shape[0] == n):
             raise PCPRowsNotSelected(
                 f"PCP rank {self.pcp_rank}: the layer got {query.shape[0]} rows, this step's "
