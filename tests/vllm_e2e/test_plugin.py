@@ -604,6 +604,40 @@ def test_impl_log_names_the_ops_in_use(tmp_path, monkeypatch, forced, named):
     assert type(impl.inner.ops).__name__ in named
 
 
+@pytest.mark.parametrize("kwargs, threshold", [
+    ({}, 1),
+    ({"prefill_context_parallel_size": 2}, 1),
+    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2,
+                             "prompt_lookup_max": 2}}, 3),
+])
+def test_builder_and_impl_hold_the_engine_config(tmp_path, pcp_plugin, monkeypatch, kwargs,
+                                                  threshold):
+    """The config hook, a layer's builder and its impl take one CPConfig object
+    (``adapter.engine_cp_config``); its decode_threshold, 1 + speculative tokens, is what the
+    builder declares as vLLM's reorder_batch_threshold."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from cp_attention.integrations.vllm import backend
+    from cp_attention.integrations.vllm.adapter import engine_cp_config
+
+    monkeypatch.delenv("CP_ATTENTION_VLLM_REORDER", raising=False)
+    monkeypatch.setattr(backend, "vllm_ranks", lambda cfg: CPRanks())  # one process, no groups
+    monkeypatch.setattr(backend, "vllm_groups",
+                        lambda cfg: CPGroups(cfg, CPRanks(), torch.device("cpu")))
+    config = _engine_config(make_tiny_llama_dir(tmp_path), **kwargs)
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    with set_current_vllm_config(config):
+        builder = backend.CPVllmMetadataBuilder(spec, ["layer.0"], config, torch.device("cpu"))
+        impl = backend.CPVllmImpl(4, 32, 32 ** -0.5, 2)
+    assert builder.config is impl.config is engine_cp_config(config)
+    assert builder.config.decode_threshold == builder.reorder_batch_threshold == threshold
+    assert builder.config.block_size == 32
+    other = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="kernel block size 16 != its --block-size 32"):
+        backend.CPVllmMetadataBuilder(other, ["layer.1"], config, torch.device("cpu"))
+
+
 def test_pcp_impl_refuses_rows_the_runner_did_not_select(tmp_path, pcp_plugin, monkeypatch):
     """vLLM's real builder and impl at pcp=2 (rank 0; one process cannot hold vLLM's PCP group,
     so the group lookup is replaced: nothing communicates before the check). The metadata

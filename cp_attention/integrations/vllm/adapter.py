@@ -9,6 +9,7 @@ may differ and rows are gathered / scattered with ``local_token_idx``.
 """
 from __future__ import annotations
 
+import functools
 
 import numpy as np
 import torch
@@ -26,8 +27,21 @@ class UnsupportedLayout(NotImplementedError):
     """A vLLM parallel layout cp_attention does not map (yet)."""
 
 
+def engine_cp_config(vllm_config) -> CPConfig:
+    """The engine's CPConfig (``vllm_config``: vLLM ``VllmConfig``-like), the one object the
+    config hook checks and every builder and impl of the engine holds: block size
+    ``cache_config.block_size``, decode_threshold 1 + speculative tokens (the builder's
+    ``reorder_batch_threshold``). Cached by its inputs, which a worker may still change before
+    it builds layers (``update_block_size_for_backend``: a hybrid model's block size)."""
+    spec = vllm_config.speculative_config
+    threshold = 1 + ((spec.num_speculative_tokens or 0) if spec is not None else 0)
+    return cp_config_from_vllm(vllm_config.parallel_config, vllm_config.cache_config.block_size,
+                               threshold)
+
+
 def cp_config_from_vllm(parallel_config, block_size: int, decode_threshold: int = 1) -> CPConfig:
-    """CPConfig of a vLLM deployment (``parallel_config``: vLLM ``ParallelConfig``-like).
+    """CPConfig of a vLLM deployment (``parallel_config``: vLLM ``ParallelConfig``-like), one
+    object per distinct sizes.
 
     vLLM's worlds are ``rank = pcp_rank * tp + tp_rank`` like ours. Its DCP group is the TP
     group's consecutive ranks when pcp = 1, and spans the PCP ranks first when pcp > 1
@@ -47,9 +61,17 @@ def cp_config_from_vllm(parallel_config, block_size: int, decode_threshold: int 
                             (``dcp <= tp // kv_heads``) reject it for GQA models anyway
     ======================  ===============================================================
     """
-    pcp = int(parallel_config.prefill_context_parallel_size)
-    dcp = int(parallel_config.decode_context_parallel_size)
-    tp = int(parallel_config.tensor_parallel_size)
+    pc = parallel_config
+    return _config_of_sizes(*map(int, (pc.prefill_context_parallel_size,
+                                       pc.decode_context_parallel_size, pc.tensor_parallel_size,
+                                       pc.cp_kv_cache_interleave_size, block_size,
+                                       decode_threshold)))
+
+
+@functools.cache
+def _config_of_sizes(pcp: int, dcp: int, tp: int, interleave: int, block_size: int,
+                     decode_threshold: int) -> CPConfig:
+    """The mapping of :func:`cp_config_from_vllm` (cached: one object per distinct sizes)."""
     if pcp == 1:
         ours_dcp, kv_shard = dcp, "dcp"
     elif dcp == 1:
@@ -60,15 +82,9 @@ def cp_config_from_vllm(parallel_config, block_size: int, decode_threshold: int 
         raise UnsupportedLayout(
             f"--decode-context-parallel-size {dcp} with --prefill-context-parallel-size {pcp} "
             f"and --tensor-parallel-size {tp}: cp_attention maps dcp = 1 or dcp = pcp only")
-    return CPConfig(
-        pcp_size=pcp,
-        dcp_size=ours_dcp,
-        tp_size=tp,
-        block_size=int(block_size),
-        cp_kv_interleave_size=int(parallel_config.cp_kv_cache_interleave_size),
-        kv_shard=kv_shard,
-        decode_threshold=int(decode_threshold),
-    )
+    return CPConfig(pcp_size=pcp, dcp_size=ours_dcp, tp_size=tp, block_size=block_size,
+                    cp_kv_interleave_size=interleave, kv_shard=kv_shard,
+                    decode_threshold=decode_threshold)
 
 
 def expected_vllm_dcp_rank(config: CPConfig, pcp_rank: int, tp_rank: int) -> int:
