@@ -76,7 +76,7 @@ def _storage(t: torch.Tensor) -> int:
 def _layer(groups, cfg: CPConfig, tokens: int, seed: int):
     """One rank's layer, metadata, inputs, KV cache and output for a ``tokens`` prefill."""
     num_blocks = int(KVSharding.of(cfg).blocks_needed(np.array([tokens]))[0]) + 1
-    builder = CPAttentionBackend.get_builder_cls(cfg)(cfg, groups.ranks, None, num_blocks)
+    builder = CPAttentionBackend.get_builder_cls()(cfg, groups.ranks, None, num_blocks)
     impl = CPAttentionBackend.get_impl_cls(cfg)(HQ, HEAD_SIZE, HEAD_SIZE ** -0.5, HKV,
                                                 groups=groups)
     meta = builder.build(StepSpec((0,), (tokens,),

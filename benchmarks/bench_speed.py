@@ -51,7 +51,7 @@ def _prepare(pcp: int, rank: int, groups, tokens: int, heads: tuple[int, int]):
     cfg = CPConfig(pcp_size=pcp, block_size=128)
     ranks = groups.ranks if groups is not None else CPRanks.of(cfg, rank)
     num_blocks = int(KVSharding.of(cfg).blocks_needed(np.array([tokens]))[0]) + 1
-    builder = CPAttentionBackend.get_builder_cls(cfg)(cfg, ranks, None, num_blocks)
+    builder = CPAttentionBackend.get_builder_cls()(cfg, ranks, None, num_blocks)
     extra = {"groups": groups} if cfg.uses_cp else {}
     impl = CPAttentionBackend.get_impl_cls(cfg)(hq, HEAD_SIZE, HEAD_SIZE ** -0.5, hkv, **extra)
     spec = StepSpec((0,), (tokens,), torch.arange(num_blocks, dtype=torch.int32)[None])

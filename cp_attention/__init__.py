@@ -4,14 +4,14 @@ from cp_attention.config import CPConfig, CPRanks, heads_of_rank
 from cp_attention.errors import AttentionLayerError, OpsInputError, StepError, StepMismatchError
 from cp_attention.impl.base import BaseAttentionImpl
 from cp_attention.impl.cp import CPAttentionImpl
-from cp_attention.metadata.builder import AttentionMetadata, CPMetadataBuilder, MetadataBuilder
+from cp_attention.metadata.builder import AttentionMetadata, MetadataBuilder
 from cp_attention.metadata.common import AttentionState, StepSpec
 from cp_attention.parallel import CPGroups
 
 __all__ = [
     "AttentionLayerError", "AttentionMetadata", "AttentionState", "BaseAttentionImpl",
-    "CPAttentionBackend", "CPAttentionImpl", "CPConfig", "CPGroups", "CPMetadataBuilder",
-    "CPRanks", "MetadataBuilder", "OpsInputError", "StepError", "StepMismatchError", "StepSpec",
+    "CPAttentionBackend", "CPAttentionImpl", "CPConfig", "CPGroups", "CPRanks",
+    "MetadataBuilder", "OpsInputError", "StepError", "StepMismatchError", "StepSpec",
     "heads_of_rank",
 ]
 __version__ = "0.1.0"

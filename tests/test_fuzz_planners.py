@@ -22,7 +22,7 @@ SETTINGS = dict(derandomize=True, deadline=None, suppress_health_check=list(Heal
 
 def build_all(step: StepSpec, config: CPConfig, window: int | None, num_blocks: int) -> dict:
     """Metadata of every (pcp_rank, dcp_rank) (tp_size == dcp_size: one DCP group per PCP rank)."""
-    builder_cls = CPAttentionBackend.get_builder_cls(config)
+    builder_cls = CPAttentionBackend.get_builder_cls()
     metas = {}
     for p in range(config.pcp_size):
         for d in range(config.dcp_size):

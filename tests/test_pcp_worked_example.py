@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cp_attention.config import CPConfig, CPRanks
-from cp_attention.metadata.builder import CPMetadataBuilder
+from cp_attention.metadata.builder import MetadataBuilder
 from cp_attention.metadata.common import AttentionState, StepSpec
 from cp_attention.metadata.vllm_ascend import VllmAscendView
 
@@ -66,7 +66,7 @@ EXPECTED_SLOTS_DCP = [48, 49, 50, 51, 52, -1, -1, -1, 112, 113, 114, 115, 116, 1
 
 def _meta(rank: int, kv_shard: str = "cp"):
     cfg = CPConfig(pcp_size=2, block_size=16, kv_shard=kv_shard)
-    return CPMetadataBuilder(cfg, CPRanks(pcp_rank=rank)).build(STEP)
+    return MetadataBuilder(cfg, CPRanks(pcp_rank=rank)).build(STEP)
 
 
 @pytest.mark.parametrize("rank", [0, 1])

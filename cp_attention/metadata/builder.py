@@ -287,9 +287,7 @@ def single_pass(rows: RowLayout, step: StepSpec, window: int | None, sharding: K
 
 
 class MetadataBuilder:
-    """Builds :class:`AttentionMetadata` for one rank of a single-device deployment."""
-
-    supports_cp = False
+    """Builds :class:`AttentionMetadata` for one rank (any pcp_size / dcp_size)."""
 
     def __init__(self, config: CPConfig | None = None, ranks: CPRanks | None = None,
                  sliding_window: int | None = None, num_blocks: int | None = None,
@@ -301,9 +299,6 @@ class MetadataBuilder:
         self.ranks = ranks or CPRanks()
         self.debug = debug
         validate_ranks(self.config, self.ranks)
-        if self.config.uses_cp and not self.supports_cp:
-            raise ValueError(f"MetadataBuilder is single-device; pcp_size={self.config.pcp_size}"
-                             f", dcp_size={self.config.dcp_size} need CPMetadataBuilder")
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
         self.sliding_window = sliding_window
@@ -314,12 +309,6 @@ class MetadataBuilder:
         # [pcp] the KV shard each PCP rank of this rank's group writes
         self.pcp_kv_ranks = np.array([self.config.kv_rank(p, self.ranks.dcp_rank)
                                       for p in range(self.config.pcp_size)])
-
-    def build_for_graph_capture(self, num_tokens: int, max_blocks: int = 1) -> AttentionMetadata:
-        """Metadata of a dummy decode-only batch of ``num_tokens`` requests (graph capture)."""
-        step = StepSpec((1,) * num_tokens, (1,) * num_tokens,
-                        torch.zeros(num_tokens, max_blocks, dtype=torch.int32))
-        return self.build(step)
 
     def build(self, step: StepSpec, num_input_tokens: int | None = None) -> AttentionMetadata:
         """Plan one step for this rank; ``num_input_tokens`` pads the rows (graph capture)."""
@@ -421,8 +410,3 @@ class MetadataBuilder:
             raise ValueError(f"block_table names block {int(used.max())} but the cache has "
                              f"num_blocks={self.num_blocks}")
 
-
-class CPMetadataBuilder(MetadataBuilder):
-    """Metadata builder when pcp_size > 1 or dcp_size > 1 (same stages, any sizes)."""
-
-    supports_cp = True

@@ -23,7 +23,7 @@ from cp_attention.integrations.vllm.adapter import (SlotMappingMismatch, Unsuppo
 from cp_attention.integrations.vllm.slot_mapping import (cp_slot_mapping,
                                                          install_slot_mapping_shim,
                                                          make_slot_mapping_impl)
-from cp_attention.metadata.builder import CPMetadataBuilder, MetadataBuilder
+from cp_attention.metadata.builder import MetadataBuilder
 from cp_attention.ops import ReferenceOps
 from cp_attention.ops.cpu_build import load_cpu_extension
 from cp_attention.parallel import CPGroups
@@ -69,8 +69,7 @@ def vllm_batch(computed, new, block_size, world=1, rank=0, interleave=1, max_blo
 
 def build(cm, config: CPConfig, ranks: CPRanks = CPRanks()):
     step = step_from_vllm(cm.query_start_loc_cpu, cm.seq_lens, cm.block_table_tensor, cm.num_reqs)
-    builder = (CPMetadataBuilder if config.uses_cp else MetadataBuilder)(config, ranks)
-    return step, builder.build(step)
+    return step, MetadataBuilder(config, ranks).build(step)
 
 
 # -- import hygiene and registration --------------------------------------------------------

@@ -164,7 +164,7 @@ class CPVllmMetadataBuilder(AttentionMetadataBuilder[CPVllmMetadata]):
         # vLLM's batch order (rows are permuted)
         self.reorder_batch_threshold = (self.config.decode_threshold
                                         if envs.CP_ATTENTION_VLLM_REORDER else None)
-        self.inner = CPAttentionBackend.get_builder_cls(self.config)(
+        self.inner = CPAttentionBackend.get_builder_cls()(
             self.config, vllm_ranks(self.config),
             sliding_window=getattr(kv_cache_spec, "sliding_window", None))
         self._reorder_seen = False
