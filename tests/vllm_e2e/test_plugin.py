@@ -576,7 +576,7 @@ def test_hidden_restore_rows_from_every_pcp_rank(new):
 
 # -- the impl: ops named in its log line, PCP handshake with the runner --------------------------
 @pytest.mark.parametrize("forced, named", [("reference", "ops ReferenceOps (pure-torch fallback)"),
-                                           ("", "ops CpuOps (C++ CPU kernels)")])
+                                           ("auto", "ops CpuOps (C++ CPU kernels)")])
 def test_impl_log_names_the_ops_in_use(tmp_path, monkeypatch, forced, named):
     import logging
 
