@@ -28,7 +28,7 @@ from benchmarks.common import (human_tokens, new_figure, parse_args, save_figure
                                token_ticks, write_json)
 from cp_attention import costmodel
 from cp_attention.config import CPConfig, CPRanks
-from cp_attention.metadata.builder import CPMetadataBuilder
+from cp_attention.metadata.builder import MetadataBuilder
 from cp_attention.metadata.common import StepSpec
 from cp_attention.testing.pool import RankPool
 from cp_attention.testing.workload import Workload
@@ -48,7 +48,7 @@ def window_exchange_rows(tokens: int, pcp: int, window: int, kv_shard: str,
     cfg = CPConfig(pcp_size=pcp, kv_shard=kv_shard, window_cache=window_cache, block_size=128)
     blocks = -(-tokens // (cfg.block_size * cfg.kv_world))
     step = StepSpec((0,), (tokens,), torch.arange(blocks, dtype=torch.int32)[None])
-    meta = CPMetadataBuilder(cfg, CPRanks(), sliding_window=window).build(step)
+    meta = MetadataBuilder(cfg, CPRanks(), sliding_window=window).build(step)
     return len(meta.window_send_idx), meta.num_local_prefill_rows
 
 
@@ -173,7 +173,7 @@ def run(out_dir: str | Path, quick: bool = False) -> dict:
                                                      (4, 8)))},
     }
     payload["window"] = {
-        "source": "rows of the window exchange (CPMetadataBuilder with sliding_window) vs the "
+        "source": "rows of the window exchange (MetadataBuilder with sliding_window) vs the "
                   "all-gather's local rows, K and V in bf16, bytes sent per rank per layer "
                   "(ring accounting); window_cache 'all' writes every token of the shard, "
                   "'window' only each prefill's last window - 1",

@@ -152,7 +152,7 @@ class Problem:
         layer of a model step (its build time is reported apart)."""
         c = self.case
         cfg = CPConfig(block_size=BLOCK_SIZE)
-        builder = CPAttentionBackend.get_builder_cls(cfg)(cfg, CPRanks(), None, num_blocks)
+        builder = CPAttentionBackend.get_builder_cls()(cfg, CPRanks(), None, num_blocks)
         impl = CPAttentionBackend.get_impl_cls(cfg)(c.q_heads, c.head_size, self.scale,
                                                     c.kv_heads)
         step = StepSpec((c.context - 1,) * c.batch, (1,) * c.batch, self.block_table)

@@ -1,4 +1,4 @@
-"""Metadata build time per step: ``CPMetadataBuilder.build`` for 1..256 requests.
+"""Metadata build time per step: ``MetadataBuilder.build`` for 1..256 requests.
 
 Configs: single device (MetadataBuilder), pcp=2 x dcp=2 (tp=2) and pcp=4. Steps: decode-only
 (contexts spread over 1k..128k tokens) and mixed (every 8th request a 512-token prefill chunk
@@ -26,7 +26,7 @@ import torch
 
 from benchmarks.common import new_figure, parse_args, save_figure, time_call, write_json
 from cp_attention.config import CPConfig, CPRanks
-from cp_attention.metadata.builder import CPMetadataBuilder, MetadataBuilder
+from cp_attention.metadata.builder import MetadataBuilder
 from cp_attention.metadata.common import StepSpec
 from cp_attention.metadata.kv_layout import KVSharding
 
@@ -64,8 +64,7 @@ def make_step(cfg: CPConfig, num_reqs: int, kind: str, seed: int = 0) -> StepSpe
 
 
 def builder_for(cfg: CPConfig):
-    cls = CPMetadataBuilder if cfg.uses_cp else MetadataBuilder
-    return cls(cfg, CPRanks.of(cfg, 0))
+    return MetadataBuilder(cfg, CPRanks.of(cfg, 0))
 
 
 def hot_spots(builder, step: StepSpec, top: int = 12) -> list[dict]:

@@ -75,7 +75,7 @@ def _storage(t: torch.Tensor) -> int:
 def _layer(groups, cfg: CPConfig, tokens: int, seed: int):
     """One rank's layer, metadata, inputs, KV cache and output for a ``tokens`` prefill."""
     num_blocks = int(KVSharding.of(cfg).blocks_needed(np.array([tokens]))[0]) + 1
-    builder = CPAttentionBackend.get_builder_cls(cfg)(cfg, groups.ranks, None, num_blocks)
+    builder = CPAttentionBackend.get_builder_cls()(cfg, groups.ranks, None, num_blocks)
     impl = CPAttentionBackend.get_impl_cls(cfg)(HQ, HEAD_SIZE, HEAD_SIZE ** -0.5, HKV,
                                                 groups=groups)
     meta = builder.build(StepSpec((0,), (tokens,),
@@ -136,7 +136,7 @@ def layer_task(rank: int, get_groups, tokens: int, variant: str) -> dict:
         peak = _status_kib("VmHWM")
     finally:
         self_part.pcp_prefill_attention = prefill
-    return {"rank": rank, "variant": variant, "local_rows": meta.num_actual_tokens,
+    return {"rank": rank, "variant": variant, "local_rows": meta.num_local_rows,
             "kv_bytes_materialized": copied, "peak_extra_bytes": (peak - rss_before) * 1024,
             "stages": stages,
             "forward_s": seconds, "output_finite": bool(out.float().isfinite().all())}

@@ -51,7 +51,7 @@ def _prepare(pcp: int, rank: int, groups, tokens: int, heads: tuple[int, int]):
     cfg = CPConfig(pcp_size=pcp, block_size=128)
     ranks = groups.ranks if groups is not None else CPRanks.of(cfg, rank)
     num_blocks = int(KVSharding.of(cfg).blocks_needed(np.array([tokens]))[0]) + 1
-    builder = CPAttentionBackend.get_builder_cls(cfg)(cfg, ranks, None, num_blocks)
+    builder = CPAttentionBackend.get_builder_cls()(cfg, ranks, None, num_blocks)
     extra = {"groups": groups} if cfg.uses_cp else {}
     impl = CPAttentionBackend.get_impl_cls(cfg)(hq, HEAD_SIZE, HEAD_SIZE ** -0.5, hkv, **extra)
     spec = StepSpec((0,), (tokens,), torch.arange(num_blocks, dtype=torch.int32)[None])
@@ -79,7 +79,7 @@ def time_forward(pcp: int, rank: int, groups, tokens: int, repeats: int,
         cpus.append(time.process_time() - cpu)
         walls.append(time.perf_counter() - wall)
     return {"wall_s": min(walls), "cpu_s": min(cpus), "walls": walls,
-            "local_rows": meta.num_actual_tokens, "output_finite": bool(out.isfinite().all())}
+            "local_rows": meta.num_local_rows, "output_finite": bool(out.isfinite().all())}
 
 
 def time_single_device(tokens: int, repeats: int, heads: tuple[int, int]) -> dict:

@@ -50,7 +50,7 @@ def run_checked(w: Workload, rank: int = 0, groups: CPGroups | None = None,
     tokens = make_tokens(w)
     blocks, num_blocks = allocate_blocks(w)
     backend = CPAttentionBackend
-    builder = backend.get_builder_cls(cfg)(cfg, ranks, w.sliding_window, num_blocks)
+    builder = backend.get_builder_cls()(cfg, ranks, w.sliding_window, num_blocks)
     kwargs = dict(num_heads=len(q_sel), head_size=w.head_size, scale=w.scale,
                   num_kv_heads=len(kv_sel), sliding_window=w.sliding_window)
     if cfg.uses_cp:

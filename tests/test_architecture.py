@@ -161,7 +161,7 @@ def test_bottom_layers_import_nothing_above_them():
 
 def test_public_names_import_from_the_top():
     expected = {"CPConfig", "CPRanks", "CPGroups", "AttentionMetadata", "MetadataBuilder",
-                "CPMetadataBuilder", "BaseAttentionImpl", "CPAttentionImpl", "CPAttentionBackend",
+                "BaseAttentionImpl", "CPAttentionImpl", "CPAttentionBackend",
                 "StepSpec", "AttentionState", "StepError", "AttentionLayerError", "OpsInputError",
                 "StepMismatchError", "KernelFallbackError"}
     assert expected <= set(cp_attention.__all__)

@@ -25,7 +25,7 @@ from cp_attention import envs
 from cp_attention.errors import AttentionLayerError, KernelFallbackError, OpsInputError, StepError
 from cp_attention.impl.base import BaseAttentionImpl
 from cp_attention.impl.cp import CPAttentionImpl
-from cp_attention.metadata.builder import CPMetadataBuilder, MetadataBuilder
+from cp_attention.metadata.builder import MetadataBuilder
 from cp_attention.metadata.checks import validate_ranks, validate_step
 from cp_attention.metadata.common import StepSpec
 from cp_attention.metadata.pcp import HeadTail
@@ -117,7 +117,7 @@ def fake_groups(config: CPConfig, rank: int = 0) -> CPGroups:
 
 def pcp_meta(pcp_rank: int):
     cfg = CPConfig(pcp_size=2)
-    return CPMetadataBuilder(cfg, CPRanks(pcp_rank, 0, 0)).build(step((0,), (8,)))
+    return MetadataBuilder(cfg, CPRanks(pcp_rank, 0, 0)).build(step((0,), (8,)))
 
 
 def cp_impl(rank: int) -> CPAttentionImpl:
@@ -222,10 +222,8 @@ CASES: list[Case] = [
     # -- builders --------------------------------------------------------------------------
     Case("MetadataBuilder", "sliding_window=0", ValueError, r"sliding_window must be >= 1",
          lambda: MetadataBuilder(sliding_window=0)),
-    Case("MetadataBuilder", "pcp_size=2 config", ValueError, r"need CPMetadataBuilder",
-         lambda: MetadataBuilder(CPConfig(pcp_size=2))),
-    Case("CPMetadataBuilder", "pcp_rank=2 of 2", ValueError, r"pcp_rank \(2\) must be an integer in \[0, 2\)",
-         lambda: CPMetadataBuilder(CPConfig(pcp_size=2), CPRanks(2, 0, 0))),
+    Case("MetadataBuilder", "pcp_rank=2 of 2", ValueError, r"pcp_rank \(2\) must be an integer in \[0, 2\)",
+         lambda: MetadataBuilder(CPConfig(pcp_size=2), CPRanks(2, 0, 0))),
     Case("MetadataBuilder.build", "block table too short", ValueError,
          r"block_table has 1 blocks per request but request 0 needs 2 for 17 tokens",
          lambda: single_meta((0,), (17,))),

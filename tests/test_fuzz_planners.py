@@ -22,7 +22,7 @@ SETTINGS = dict(derandomize=True, deadline=None, suppress_health_check=list(Heal
 
 def build_all(step: StepSpec, config: CPConfig, window: int | None, num_blocks: int) -> dict:
     """Metadata of every (pcp_rank, dcp_rank) (tp_size == dcp_size: one DCP group per PCP rank)."""
-    builder_cls = CPAttentionBackend.get_builder_cls(config)
+    builder_cls = CPAttentionBackend.get_builder_cls()
     metas = {}
     for p in range(config.pcp_size):
         for d in range(config.dcp_size):
@@ -114,7 +114,7 @@ def test_invariant_checker_catches_a_corrupted_plan() -> None:
         row = int(torch.nonzero(meta.local_token_idx[meta.num_decode_tokens:] >= 0)[0])
         meta.local_token_idx[meta.num_decode_tokens + row] = -1
         meta.positions[meta.num_decode_tokens + row] = 0
-        meta.pad_rows = meta.local_token_idx[:meta.num_actual_tokens] < 0  # consistent mask
+        meta.pad_rows = meta.local_token_idx[:meta.num_local_rows] < 0  # consistent mask
 
     def forget_pad(metas):
         meta = next(m for m in metas.values() if m.pad_rows is not None)

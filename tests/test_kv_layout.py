@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cp_attention.config import CPConfig, CPRanks
-from cp_attention.metadata.builder import CPMetadataBuilder
+from cp_attention.metadata.builder import MetadataBuilder
 from cp_attention.metadata.common import StepSpec, ranges_concat
 from cp_attention.metadata.kv_layout import KVSharding
 from cp_attention.metadata.vllm_ascend import VllmAscendView
@@ -235,7 +235,7 @@ def _context_rows(meta, cfg: CPConfig, computed, scheduled):
                 positions.append(computed[r] + j)
                 real.append(j < n)
         return np.array(reqs), np.array(positions), np.array(real)
-    rows = meta.num_actual_tokens
+    rows = meta.num_local_rows
     idx = meta.local_token_idx[:rows].numpy()
     cu = np.concatenate([[0], np.cumsum(scheduled)])
     real = idx >= 0
@@ -259,7 +259,7 @@ def test_builder_local_context_lengths_match_brute_force(config, interleave, req
     scheduled = [n for _, n in reqs]
     step = _step(computed, scheduled, cfg)
     for ranks in _all_ranks(cfg):
-        meta = CPMetadataBuilder(cfg, ranks).build(step)
+        meta = MetadataBuilder(cfg, ranks).build(step)
         expected = np.array([[[brute_count(0, c, _shard(cfg, p, d), cfg.kv_world, interleave)
                                for d in range(dcp)] for p in range(pcp)] for c in computed])
         view = VllmAscendView(meta, step, cfg)  # vLLM-Ascend's names of the plan
@@ -278,7 +278,7 @@ def _check_visible_ranges(cfg: CPConfig, computed, scheduled, window: int) -> li
     step = _step(computed, scheduled, cfg)
     seen = []
     for ranks in _all_ranks(cfg):
-        meta = CPMetadataBuilder(cfg, ranks, sliding_window=window).build(step)
+        meta = MetadataBuilder(cfg, ranks, sliding_window=window).build(step)
         shard = _shard(cfg, ranks.pcp_rank, ranks.dcp_rank)
         reqs, positions, real = _context_rows(meta, cfg, computed, scheduled)
         start, end = meta.ctx_kv_start.numpy(), meta.ctx_kv_end.numpy()

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import torch
 
 from cp_attention.config import CPConfig, CPRanks
-from cp_attention.metadata.builder import CPMetadataBuilder
+from cp_attention.metadata.builder import MetadataBuilder
 from cp_attention.metadata.common import StepSpec
 from cp_attention.testing.workload import RankReport, Workload
 
@@ -178,7 +178,7 @@ def test_window_exchange(pools, pcp, window, kv_shard, window_cache):
     w = Workload(cfg, steps, num_heads=4, num_kv_heads=2, head_size=16, seed=pcp + window,
                  sliding_window=window)
     reports = run_and_check(pools, w)
-    builder = CPMetadataBuilder(cfg, CPRanks(), sliding_window=window)
+    builder = MetadataBuilder(cfg, CPRanks(), sliding_window=window)
     spec = StepSpec((0,) * 4, tuple(n for _, n in steps[0]),
                     torch.zeros(4, 16, dtype=torch.int32))
     rows = len(builder.build(spec).window_send_idx)

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cp_attention.config import CPConfig, CPRanks
-from cp_attention.metadata.builder import AttentionMetadata, CPMetadataBuilder
+from cp_attention.metadata.builder import AttentionMetadata, MetadataBuilder
 from cp_attention.metadata.common import StepSpec, cumsum0, ranges_concat
 from cp_attention.metadata.pcp import HeadTail
 from cp_attention.metadata.vllm_ascend import VllmAscendView
@@ -114,7 +114,7 @@ def build_all(reqs: list[Req], cfg: CPConfig, seed: int = 0, window: int | None 
               ) -> tuple[StepSpec, dict[tuple[int, int], AttentionMetadata]]:
     """Metadata of every (pcp_rank, dcp_rank) for one step (tp_size == dcp_size)."""
     step = make_step(reqs, cfg.block_size, cfg.kv_world, seed)
-    metas = {(p, d): CPMetadataBuilder(cfg, CPRanks(p, d, d), window).build(step)
+    metas = {(p, d): MetadataBuilder(cfg, CPRanks(p, d, d), window).build(step)
              for p in range(cfg.pcp_size) for d in range(cfg.dcp_size)}
     return step, metas
 

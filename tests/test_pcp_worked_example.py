@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cp_attention.config import CPConfig, CPRanks
-from cp_attention.metadata.builder import CPMetadataBuilder
+from cp_attention.metadata.builder import MetadataBuilder
 from cp_attention.metadata.common import AttentionState, StepSpec
 from cp_attention.metadata.vllm_ascend import VllmAscendView
 
@@ -66,7 +66,7 @@ EXPECTED_SLOTS_DCP = [48, 49, 50, 51, 52, -1, -1, -1, 112, 113, 114, 115, 116, 1
 
 def _meta(rank: int, kv_shard: str = "cp"):
     cfg = CPConfig(pcp_size=2, block_size=16, kv_shard=kv_shard)
-    return CPMetadataBuilder(cfg, CPRanks(pcp_rank=rank)).build(STEP)
+    return MetadataBuilder(cfg, CPRanks(pcp_rank=rank)).build(STEP)
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -85,8 +85,9 @@ def test_split_indices(rank):
 @pytest.mark.parametrize("rank", [0, 1])
 def test_rows_and_slots(rank):
     meta = _meta(rank)
-    assert VllmAscendView(meta).attn_state is AttentionState.PrefillNoCache
-    assert meta.num_decode_tokens == 0 and meta.num_actual_tokens == 8
+    view = VllmAscendView(meta)  # vLLM-Ascend's num_actual_tokens: the 5 + 8 tokens, no pads
+    assert view.attn_state is AttentionState.PrefillNoCache and view.num_actual_tokens == 13
+    assert meta.num_decode_tokens == 0 and meta.num_local_rows == 8
     tokens, positions = EXPECTED_ROWS[rank]
     assert meta.local_token_idx.tolist() == tokens
     assert meta.positions.tolist() == positions

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from cp_attention import (AttentionMetadata, AttentionState, CPAttentionBackend, CPConfig,
-                          CPMetadataBuilder, CPRanks, MetadataBuilder, StepSpec)
+                          CPRanks, MetadataBuilder, StepSpec)
 from cp_attention.errors import AttentionLayerError
 from cp_attention.impl.base import BaseAttentionImpl
 from cp_attention.metadata.vllm_ascend import VllmAscendView
@@ -95,8 +95,9 @@ def test_prefill_then_decodes_then_chunked_prefill():
 def test_graph_capture_padding_zeroes_extra_rows():
     config = CPConfig()
     builder = MetadataBuilder(config)
-    meta = builder.build_for_graph_capture(4)
-    assert VllmAscendView(meta).attn_state == AttentionState.DecodeOnly and meta.num_actual_tokens == 4
+    # a graph-capture dummy batch: 4 one-token decodes
+    meta = builder.build(StepSpec((1,) * 4, (1,) * 4, torch.zeros(4, 1, dtype=torch.int32)))
+    assert VllmAscendView(meta).attn_state == AttentionState.DecodeOnly and meta.num_local_rows == 4
     spec = StepSpec((3, 5), (1, 1), torch.tensor([[0], [1]], dtype=torch.int32))
     meta = builder.build(spec, num_input_tokens=8)
     assert meta.num_input_tokens == 8 and meta.local_token_idx.tolist()[2:] == [-1] * 6
@@ -115,30 +116,13 @@ def test_backend_surface_and_routing():
     assert backend.get_name() == "CP_ATTENTION"
     assert backend.get_metadata_cls() is AttentionMetadata
     assert backend.get_kv_cache_shape(10, 16, 2, 64) == (2, 10, 16, 2, 64)
-    assert backend.get_bsh_kv_cache_shape(10, 16, 2, 64) == (2, 10, 16, 128)
-    assert 16 in backend.get_supported_block_sizes() and 128 in backend.get_supported_block_sizes()
-    from cp_attention import CPAttentionImpl, CPMetadataBuilder
+    from cp_attention import CPAttentionImpl
     assert backend.get_impl_cls(CPConfig()) is BaseAttentionImpl
-    assert backend.get_builder_cls(CPConfig()) is MetadataBuilder
+    assert backend.get_builder_cls() is MetadataBuilder
     assert backend.get_impl_cls(CPConfig(pcp_size=2)) is CPAttentionImpl
     assert backend.get_impl_cls(CPConfig(tp_size=2, dcp_size=2)) is CPAttentionImpl
-    assert backend.get_builder_cls(CPConfig(pcp_size=2)) is CPMetadataBuilder
     with pytest.raises(ValueError, match="num_blocks"):
         backend.get_kv_cache_shape(0, 16, 2, 64)
-
-
-def test_swap_and_copy_blocks():
-    src = torch.randn(2, 5, 4, 1, 8)
-    dst = torch.zeros(2, 6, 4, 1, 8)
-    CPAttentionBackend.swap_blocks(src, dst, torch.tensor([[0, 5], [3, 1]]))
-    assert torch.equal(dst[:, 5], src[:, 0]) and torch.equal(dst[:, 1], src[:, 3])
-    assert (dst[:, [0, 2, 3, 4]] == 0).all()
-    caches = [torch.randn(2, 5, 4, 1, 8) for _ in range(2)]
-    before = [c.clone() for c in caches]
-    CPAttentionBackend.copy_blocks(caches, torch.tensor([[1, 4], [2, 0]]))
-    for c, b in zip(caches, before):
-        assert torch.equal(c[:, 4], b[:, 1]) and torch.equal(c[:, 0], b[:, 2])
-        assert torch.equal(c[:, [1, 2, 3]], b[:, [1, 2, 3]])
 
 
 def _layer_inputs():
@@ -177,8 +161,6 @@ def test_cp_routing_needs_groups():
     from cp_attention import CPAttentionImpl
     with pytest.raises(ValueError, match="needs groups"):
         CPAttentionImpl(num_heads=2, head_size=8, scale=0.3)
-    with pytest.raises(ValueError, match="single-device"):
-        MetadataBuilder(CPConfig(pcp_size=2))
 
 
 def test_decode_only_step_plans_one_paged_pass():
@@ -196,14 +178,14 @@ def test_decode_only_step_plans_one_paged_pass():
     with_prefill = MetadataBuilder(CPConfig()).build(StepSpec((5, 0), (1, 4), table))
     assert not with_prefill.single_pass and with_prefill.single_pass_seq_lens is None
     dcp = CPConfig(tp_size=2, dcp_size=2, decode_threshold=3)
-    shard = CPMetadataBuilder(dcp, CPRanks.of(dcp, 1)).build(spec)
+    shard = MetadataBuilder(dcp, CPRanks.of(dcp, 1)).build(spec)
     assert shard.single_pass_seq_lens.tolist() == [3, 6]  # odd positions live on DCP rank 1
     assert shard.single_pass_kv_start is None
     assert shard.single_pass_kv_end.tolist() == [3, 5, 5, 6]
     pcp = CPConfig(pcp_size=2, decode_threshold=3)  # the cache is sharded over PCP ranks too
-    over_pcp = CPMetadataBuilder(pcp, CPRanks.of(pcp, 1)).build(spec)
+    over_pcp = MetadataBuilder(pcp, CPRanks.of(pcp, 1)).build(spec)
     assert over_pcp.ctx_over_pcp and over_pcp.single_pass_seq_lens.tolist() == [3, 6]
-    mixed = CPMetadataBuilder(pcp, CPRanks()).build(StepSpec((5, 0), (1, 4), table))
+    mixed = MetadataBuilder(pcp, CPRanks()).build(StepSpec((5, 0), (1, 4), table))
     assert not mixed.single_pass  # prefill queries are gathered over PCP: general plan
 
 

@@ -69,7 +69,7 @@ class BaseAttentionImpl:
                            output_block_scale)
         if self.debug:
             check_forward_values(query, key, value, kv_cache, meta)
-        rows, dim = meta.num_actual_tokens, self.head_size
+        rows, dim = meta.num_local_rows, self.head_size
         q = _head_rows(query, rows, self.num_heads, dim)
         k = _head_rows(key, rows, self.num_kv_heads, dim)
         v = _head_rows(value, rows, self.num_kv_heads, dim)

@@ -123,7 +123,7 @@ def check_forward_values(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     each slot of ``step_slot_mapping`` is -1 or inside the cache and written once; each used
     entry of ``ctx_block_table`` names a block of the cache.
     """
-    rows = meta.num_actual_tokens
+    rows = meta.num_local_rows
     for name, tensor in (("query", query), ("key", key), ("value", value)):
         if not bool(torch.isfinite(tensor[:rows]).all()):
             raise AttentionLayerError(f"{name} holds NaN or inf in its first {rows} rows")
@@ -142,7 +142,7 @@ def check_forward_values(query: torch.Tensor, key: torch.Tensor, value: torch.Te
 
 def _check_cumulative(meta: AttentionMetadata) -> None:
     """decode / prefill / context cu_seqlens: from 0, non-decreasing, ending at their rows."""
-    num_dec, num_pre = meta.num_decode_tokens, meta.num_actual_tokens - meta.num_decode_tokens
+    num_dec, num_pre = meta.num_decode_tokens, meta.num_local_rows - meta.num_decode_tokens
     ctx_copies = meta.pcp_size if meta.ctx_over_pcp else 1
     for name, rows in (("decode_cu_seqlens", num_dec), ("prefill_cu_seqlens", num_pre),
                        ("ctx_cu_seqlens", num_dec + ctx_copies * num_pre)):

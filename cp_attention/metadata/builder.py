@@ -41,11 +41,11 @@ class AttentionMetadata:
     decode_reqs: np.ndarray  # [Nd] batch indices of decodes (batch order)
     prefill_reqs: np.ndarray  # [Np] batch indices of prefills (batch order)
     num_decode_tokens: int
-    num_actual_tokens: int  # local rows with meaning (pads of PCP chunks included)
-    num_input_tokens: int  # rows of the layer's buffers (>= num_actual_tokens; graph padding)
+    num_local_rows: int  # local rows (README glossary): PCP pad rows included, graph padding not
+    num_input_tokens: int  # rows of the layer's buffers (>= num_local_rows; graph padding)
     local_token_idx: torch.Tensor  # [num_input_tokens] global token index of each row, -1 = pad
     positions: torch.Tensor  # [num_input_tokens] RoPE position of each row (0 for pads)
-    pad_rows: torch.Tensor | None  # [num_actual_tokens] bool, True on PCP pads; None: no pads
+    pad_rows: torch.Tensor | None  # [num_local_rows] bool, True on PCP pads; None: no pads
     decode_cu_seqlens: torch.Tensor  # [Nd + 1] over the decode rows
     prefill_cu_seqlens: torch.Tensor  # [Np + 1] over the local prefill rows
     prefill_real_cu_seqlens: torch.Tensor  # [Np + 1] over prefill_real_kv_idx
@@ -101,7 +101,7 @@ class AttentionMetadata:
 
     @property
     def num_local_prefill_rows(self) -> int:
-        return self.num_actual_tokens - self.num_decode_tokens
+        return self.num_local_rows - self.num_decode_tokens
 
     @cached_property
     def prefill_real_kv_idx(self) -> torch.Tensor:
@@ -287,9 +287,7 @@ def single_pass(rows: RowLayout, step: StepSpec, window: int | None, sharding: K
 
 
 class MetadataBuilder:
-    """Builds :class:`AttentionMetadata` for one rank of a single-device deployment."""
-
-    supports_cp = False
+    """Builds :class:`AttentionMetadata` for one rank (any pcp_size / dcp_size)."""
 
     def __init__(self, config: CPConfig | None = None, ranks: CPRanks | None = None,
                  sliding_window: int | None = None, num_blocks: int | None = None,
@@ -301,9 +299,6 @@ class MetadataBuilder:
         self.ranks = ranks or CPRanks()
         self.debug = debug
         validate_ranks(self.config, self.ranks)
-        if self.config.uses_cp and not self.supports_cp:
-            raise ValueError(f"MetadataBuilder is single-device; pcp_size={self.config.pcp_size}"
-                             f", dcp_size={self.config.dcp_size} need CPMetadataBuilder")
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
         self.sliding_window = sliding_window
@@ -314,12 +309,6 @@ class MetadataBuilder:
         # [pcp] the KV shard each PCP rank of this rank's group writes
         self.pcp_kv_ranks = np.array([self.config.kv_rank(p, self.ranks.dcp_rank)
                                       for p in range(self.config.pcp_size)])
-
-    def build_for_graph_capture(self, num_tokens: int, max_blocks: int = 1) -> AttentionMetadata:
-        """Metadata of a dummy decode-only batch of ``num_tokens`` requests (graph capture)."""
-        step = StepSpec((1,) * num_tokens, (1,) * num_tokens,
-                        torch.zeros(num_tokens, max_blocks, dtype=torch.int32))
-        return self.build(step)
 
     def build(self, step: StepSpec, num_input_tokens: int | None = None) -> AttentionMetadata:
         """Plan one step for this rank; ``num_input_tokens`` pads the rows (graph capture)."""
@@ -344,10 +333,10 @@ class MetadataBuilder:
             step_rows = dec_rows + pre.step
             cu_step = cumsum0(step_rows.length)
         num_dec = len(decodes)
-        num_dec_rows, num_actual = int(cu_local[num_dec]), int(cu_local[-1])
-        num_input = num_actual if num_input_tokens is None else num_input_tokens
-        if num_input < num_actual:
-            raise ValueError(f"num_input_tokens ({num_input}) is smaller than the {num_actual} "
+        num_dec_rows, num_local = int(cu_local[num_dec]), int(cu_local[-1])
+        num_input = num_local if num_input_tokens is None else num_input_tokens
+        if num_input < num_local:
+            raise ValueError(f"num_input_tokens ({num_input}) is smaller than the {num_local} "
                              f"rows this rank computes")
         tokens, positions, pads = token_rows(local_rows, step, num_input)
         slots = step_slot_mapping(step_rows, cu_step, step, table, self.sharding, self.kv_rank)
@@ -375,7 +364,7 @@ class MetadataBuilder:
             decode_reqs=decodes,
             prefill_reqs=prefills,
             num_decode_tokens=num_dec_rows,
-            num_actual_tokens=num_actual,
+            num_local_rows=num_local,
             num_input_tokens=num_input,
             local_token_idx=_t(tokens),
             positions=_t(positions),
@@ -421,8 +410,3 @@ class MetadataBuilder:
             raise ValueError(f"block_table names block {int(used.max())} but the cache has "
                              f"num_blocks={self.num_blocks}")
 
-
-class CPMetadataBuilder(MetadataBuilder):
-    """Metadata builder when pcp_size > 1 or dcp_size > 1 (same stages, any sizes)."""
-
-    supports_cp = True

@@ -150,7 +150,7 @@ def validate_rank_plans(step: StepSpec, config: CPConfig, metas: dict) -> None:
                 fail(f"rank ({p},{d}): positions do not match local_token_idx")
             if (pos[~real] != 0).any():
                 fail(f"rank ({p},{d}): pad rows have non-zero positions")
-            pads = ~real[:meta.num_actual_tokens]
+            pads = ~real[:meta.num_local_rows]
             if (meta.pad_rows is None and pads.any()) or (
                     meta.pad_rows is not None and not np.array_equal(meta.pad_rows.numpy(), pads)):
                 fail(f"rank ({p},{d}): pad_rows disagrees with local_token_idx")
@@ -203,8 +203,8 @@ def _check_rank_ranges(meta, cfg: CPConfig, computed: np.ndarray, p: int,
         before = meta.chunk_keys_before.numpy()  # the chunk's own c keys follow
         if (before < 0).any() or (before + meta.chunk_lens > meta.padded_lens).any():
             fail(f"{where}: chunk_keys_before + c exceeds a prefill's restored rows")
-        if meta.num_actual_tokens != meta.num_decode_tokens + rows:
-            fail(f"{where}: num_actual_tokens {meta.num_actual_tokens} != decodes "
+        if meta.num_local_rows != meta.num_decode_tokens + rows:
+            fail(f"{where}: num_local_rows {meta.num_local_rows} != decodes "
                  f"{meta.num_decode_tokens} + local prefill rows {rows}")
     for name in ("decode_cu_seqlens", "prefill_cu_seqlens", "ctx_cu_seqlens"):
         cu = getattr(meta, name).numpy()
@@ -214,7 +214,7 @@ def _check_rank_ranges(meta, cfg: CPConfig, computed: np.ndarray, p: int,
         fail(f"{where}: decode_cu_seqlens ends at {meta.decode_cu_seqlens[-1]}, "
              f"num_decode_tokens={meta.num_decode_tokens}")
     expected_ctx = meta.num_decode_tokens + (cfg.pcp_size if meta.ctx_over_pcp else 1) * (
-        meta.num_actual_tokens - meta.num_decode_tokens)
+        meta.num_local_rows - meta.num_decode_tokens)
     if meta.ctx_cu_seqlens.numpy()[-1] != expected_ctx:
         fail(f"{where}: ctx_cu_seqlens ends at {meta.ctx_cu_seqlens[-1]}, expected {expected_ctx}")
     shard = cfg.kv_rank(p, d)

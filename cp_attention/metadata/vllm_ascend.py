@@ -35,6 +35,12 @@ class VllmAscendView:
                               meta.has_context)
 
     @property
+    def num_actual_tokens(self) -> int:
+        """The step's new tokens without padding (every rank's; == num_local_rows without PCP).
+        This rank's rows are vLLM-Ascend's ``num_actual_tokens_pcp_padded // pcp_size``."""
+        return self.meta.num_decode_tokens + int(self.meta.prefill_real_cu_seqlens[-1])
+
+    @property
     def batch_seq_mask(self) -> torch.Tensor:
         """[R] bool, True where this rank holds no context of the request (context order)."""
         return self.meta.ctx_seq_lens == 0

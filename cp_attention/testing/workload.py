@@ -133,7 +133,7 @@ def run_workload(w: Workload, rank: int = 0, groups: CPGroups | None = None,
     tokens = make_tokens(w)
     blocks, num_blocks = allocate_blocks(w)
     backend = CPAttentionBackend
-    builder = backend.get_builder_cls(cfg)(cfg, ranks, w.sliding_window, num_blocks)
+    builder = backend.get_builder_cls()(cfg, ranks, w.sliding_window, num_blocks)
     attn_type = "encoder_only" if w.encoder_only else "decoder"
     impl_kwargs = dict(num_heads=len(q_heads), head_size=w.head_size, scale=w.scale,
                        num_kv_heads=len(kv_heads), sliding_window=w.sliding_window,

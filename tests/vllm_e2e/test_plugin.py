@@ -23,7 +23,7 @@ from cp_attention.integrations.vllm.adapter import (SlotMappingMismatch, Unsuppo
 from cp_attention.integrations.vllm.slot_mapping import (cp_slot_mapping,
                                                          install_slot_mapping_shim,
                                                          make_slot_mapping_impl)
-from cp_attention.metadata.builder import CPMetadataBuilder, MetadataBuilder
+from cp_attention.metadata.builder import MetadataBuilder
 from cp_attention.ops import ReferenceOps
 from cp_attention.ops.cpu_build import load_cpu_extension
 from cp_attention.parallel import CPGroups
@@ -69,8 +69,7 @@ def vllm_batch(computed, new, block_size, world=1, rank=0, interleave=1, max_blo
 
 def build(cm, config: CPConfig, ranks: CPRanks = CPRanks()):
     step = step_from_vllm(cm.query_start_loc_cpu, cm.seq_lens, cm.block_table_tensor, cm.num_reqs)
-    builder = (CPMetadataBuilder if config.uses_cp else MetadataBuilder)(config, ranks)
-    return step, builder.build(step)
+    return step, MetadataBuilder(config, ranks).build(step)
 
 
 # -- import hygiene and registration --------------------------------------------------------
@@ -365,7 +364,8 @@ def test_pcp_refusal_list_covers_multimodal_and_mla():
         return SimpleNamespace(
             parallel_config=ParallelConfig(prefill_context_parallel_size=2),
             model_config=SimpleNamespace(**{**mc, **model}),
-            cache_config=SimpleNamespace(block_size=32, kv_sharing_fast_prefill=False),
+            cache_config=SimpleNamespace(block_size=32, kv_sharing_fast_prefill=False,
+                                         enable_prefix_caching=True),
             speculative_config=None, lora_config=None, kv_transfer_config=None)
 
     assert pcp_unsupported(config()) == []
@@ -497,7 +497,7 @@ def test_pcp_metadata_from_vllm_shaped_batch():
     cu = np.concatenate([[0], np.cumsum(new)])
     for rank in range(2):
         step, meta = build(cm, config, CPRanks(rank, 0, 0))
-        rows = meta.local_token_idx[:meta.num_actual_tokens].numpy()
+        rows = meta.local_token_idx[:meta.num_local_rows].numpy()
         assert rows[:meta.num_decode_tokens].tolist() == [0, 59]  # decodes on every rank, first
         np.add.at(seen, rows[meta.num_decode_tokens:][rows[meta.num_decode_tokens:] >= 0], 1)
         # step rows: decodes, then each prefill's padded tokens in order (pads: -1)
@@ -557,7 +557,7 @@ def test_hidden_restore_rows_from_every_pcp_rank(new):
         for rank in range(2):
             step, meta = build(cm, config, CPRanks(rank, 0, 0))
             token_idx, pos = local_input_rows(meta)
-            real = meta.local_token_idx[:meta.num_actual_tokens] >= 0
+            real = meta.local_token_idx[:meta.num_local_rows] >= 0
             assert torch.equal(pos[real], positions[token_idx[real]])  # RoPE positions
             hidden = feature[token_idx]  # what the model computes for this rank's rows
             held = rows_holding(meta, wanted)
@@ -577,7 +577,7 @@ def test_hidden_restore_rows_from_every_pcp_rank(new):
 
 # -- the impl: ops named in its log line, PCP handshake with the runner --------------------------
 @pytest.mark.parametrize("forced, named", [("reference", "ops ReferenceOps (pure-torch fallback)"),
-                                           ("", "ops CpuOps (C++ CPU kernels)")])
+                                           ("auto", "ops CpuOps (C++ CPU kernels)")])
 def test_impl_log_names_the_ops_in_use(tmp_path, monkeypatch, forced, named):
     import logging
 
@@ -604,6 +604,43 @@ def test_impl_log_names_the_ops_in_use(tmp_path, monkeypatch, forced, named):
     assert type(impl.inner.ops).__name__ in named
 
 
+@pytest.mark.parametrize("kwargs, threshold, window_cache", [
+    ({}, 1, "all"),
+    ({"prefill_context_parallel_size": 2}, 1, "all"),
+    ({"prefill_context_parallel_size": 2, "enable_prefix_caching": False}, 1, "window"),
+    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2,
+                             "prompt_lookup_max": 2}}, 3, "all"),
+])
+def test_builder_and_impl_hold_the_engine_config(tmp_path, pcp_plugin, monkeypatch, kwargs,
+                                                  threshold, window_cache):
+    """The config hook, a layer's builder and its impl take one CPConfig object
+    (``adapter.engine_cp_config``); its decode_threshold, 1 + speculative tokens, is what the
+    builder declares as vLLM's reorder_batch_threshold; a window layer's cache keeps every
+    token only where prefix caching may read them."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from cp_attention.integrations.vllm import backend
+    from cp_attention.integrations.vllm.adapter import engine_cp_config
+
+    monkeypatch.delenv("CP_ATTENTION_VLLM_REORDER", raising=False)
+    monkeypatch.setattr(backend, "vllm_ranks", lambda cfg: CPRanks())  # one process, no groups
+    monkeypatch.setattr(backend, "vllm_groups",
+                        lambda cfg: CPGroups(cfg, CPRanks(), torch.device("cpu")))
+    config = _engine_config(make_tiny_llama_dir(tmp_path), **kwargs)
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    with set_current_vllm_config(config):
+        builder = backend.CPVllmMetadataBuilder(spec, ["layer.0"], config, torch.device("cpu"))
+        impl = backend.CPVllmImpl(4, 32, 32 ** -0.5, 2)
+    assert builder.config is impl.config is engine_cp_config(config)
+    assert builder.config.decode_threshold == builder.reorder_batch_threshold == threshold
+    assert builder.config.block_size == 32
+    assert builder.config.window_cache == window_cache
+    other = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="kernel block size 16 != its --block-size 32"):
+        backend.CPVllmMetadataBuilder(other, ["layer.1"], config, torch.device("cpu"))
+
+
 def test_pcp_impl_refuses_rows_the_runner_did_not_select(tmp_path, pcp_plugin, monkeypatch):
     """vLLM's real builder and impl at pcp=2 (rank 0; one process cannot hold vLLM's PCP group,
     so the group lookup is replaced: nothing communicates before the check). The metadata
@@ -623,7 +660,7 @@ def test_pcp_impl_refuses_rows_the_runner_did_not_select(tmp_path, pcp_plugin, m
         impl = backend.CPVllmImpl(4, 32, 32 ** -0.5, 2)
     cm, _ = vllm_batch([30, 0], [1, 21], block_size=32)  # a decode and a 21-token prefill
     meta = builder.build(0, cm)
-    n, total = meta.num_actual_tokens, cm.num_actual_tokens
+    n, total = meta.inner.num_local_rows, cm.num_actual_tokens
     assert not meta.local_rows_fed and n != total  # 1 decode + 12 of 24 padded prefill rows
     q, kv = torch.randn(total, 4, 32), torch.randn(total, 2, 32)
     cache, out = torch.zeros(16, 2, 32, 64), torch.zeros(total, 4, 32)

@@ -9,6 +9,7 @@ may differ and rows are gathered / scattered with ``local_token_idx``.
 """
 from __future__ import annotations
 
+import functools
 
 import numpy as np
 import torch
@@ -26,8 +27,25 @@ class UnsupportedLayout(NotImplementedError):
     """A vLLM parallel layout cp_attention does not map (yet)."""
 
 
-def cp_config_from_vllm(parallel_config, block_size: int, decode_threshold: int = 1) -> CPConfig:
-    """CPConfig of a vLLM deployment (``parallel_config``: vLLM ``ParallelConfig``-like).
+def engine_cp_config(vllm_config) -> CPConfig:
+    """The engine's CPConfig (``vllm_config``: vLLM ``VllmConfig``-like), the one object the
+    config hook checks and every builder and impl of the engine holds: block size
+    ``cache_config.block_size``, decode_threshold 1 + speculative tokens (the builder's
+    ``reorder_batch_threshold``), window_cache "all" with prefix caching on (a hit may read any
+    block of a window layer), else "window" (docs/pcp.md section 9). Cached by its inputs,
+    which a worker may still change before it builds layers (``update_block_size_for_backend``:
+    a hybrid model's block size)."""
+    spec = vllm_config.speculative_config
+    threshold = 1 + ((spec.num_speculative_tokens or 0) if spec is not None else 0)
+    cache = vllm_config.cache_config
+    return cp_config_from_vllm(vllm_config.parallel_config, cache.block_size, threshold,
+                               "all" if cache.enable_prefix_caching else "window")
+
+
+def cp_config_from_vllm(parallel_config, block_size: int, decode_threshold: int = 1,
+                        window_cache: str = "all") -> CPConfig:
+    """CPConfig of a vLLM deployment (``parallel_config``: vLLM ``ParallelConfig``-like), one
+    object per distinct sizes.
 
     vLLM's worlds are ``rank = pcp_rank * tp + tp_rank`` like ours. Its DCP group is the TP
     group's consecutive ranks when pcp = 1, and spans the PCP ranks first when pcp > 1
@@ -47,9 +65,17 @@ def cp_config_from_vllm(parallel_config, block_size: int, decode_threshold: int 
                             (``dcp <= tp // kv_heads``) reject it for GQA models anyway
     ======================  ===============================================================
     """
-    pcp = int(parallel_config.prefill_context_parallel_size)
-    dcp = int(parallel_config.decode_context_parallel_size)
-    tp = int(parallel_config.tensor_parallel_size)
+    pc = parallel_config
+    return _config_of_sizes(*map(int, (pc.prefill_context_parallel_size,
+                                       pc.decode_context_parallel_size, pc.tensor_parallel_size,
+                                       pc.cp_kv_cache_interleave_size, block_size,
+                                       decode_threshold)), window_cache)
+
+
+@functools.cache
+def _config_of_sizes(pcp: int, dcp: int, tp: int, interleave: int, block_size: int,
+                     decode_threshold: int, window_cache: str) -> CPConfig:
+    """The mapping of :func:`cp_config_from_vllm` (cached: one object per distinct sizes)."""
     if pcp == 1:
         ours_dcp, kv_shard = dcp, "dcp"
     elif dcp == 1:
@@ -60,15 +86,9 @@ def cp_config_from_vllm(parallel_config, block_size: int, decode_threshold: int 
         raise UnsupportedLayout(
             f"--decode-context-parallel-size {dcp} with --prefill-context-parallel-size {pcp} "
             f"and --tensor-parallel-size {tp}: cp_attention maps dcp = 1 or dcp = pcp only")
-    return CPConfig(
-        pcp_size=pcp,
-        dcp_size=ours_dcp,
-        tp_size=tp,
-        block_size=int(block_size),
-        cp_kv_interleave_size=int(parallel_config.cp_kv_cache_interleave_size),
-        kv_shard=kv_shard,
-        decode_threshold=int(decode_threshold),
-    )
+    return CPConfig(pcp_size=pcp, dcp_size=ours_dcp, tp_size=tp, block_size=block_size,
+                    cp_kv_interleave_size=interleave, kv_shard=kv_shard,
+                    decode_threshold=decode_threshold, window_cache=window_cache)
 
 
 def expected_vllm_dcp_rank(config: CPConfig, pcp_rank: int, tp_rank: int) -> int:
@@ -101,15 +121,15 @@ def step_from_vllm(query_start_loc_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor
 
 
 def row_order(meta: AttentionMetadata, num_tokens: int) -> torch.Tensor | None:
-    """vLLM token index of each of our rows ([num_actual_tokens] int64), or None if identical.
+    """vLLM token index of each of our rows ([num_local_rows] int64), or None if identical.
 
     Only for layouts without padding rows (pcp_size == 1).
     """
-    idx = meta.local_token_idx[:meta.num_actual_tokens]
+    idx = meta.local_token_idx[:meta.num_local_rows]
     if idx.numel() == num_tokens and torch.equal(idx, torch.arange(num_tokens, dtype=idx.dtype)):
         return None
-    if meta.num_actual_tokens != num_tokens or bool((idx < 0).any()):
-        raise ValueError(f"rows ({meta.num_actual_tokens}, pads included) do not match vLLM's "
+    if meta.num_local_rows != num_tokens or bool((idx < 0).any()):
+        raise ValueError(f"rows ({meta.num_local_rows}, pads included) do not match vLLM's "
                          f"{num_tokens} tokens one to one (with pcp_size > 1 the PCP model "
                          "runner selects rows with local_input_rows, not row_order)")
     return idx
@@ -118,16 +138,16 @@ def row_order(meta: AttentionMetadata, num_tokens: int) -> torch.Tensor | None:
 def local_input_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
     """The vLLM token each row of this rank reads, and the rows' positions (PCP model input).
 
-    Returns (token_idx [num_actual_tokens] int64 with pads pointing at token 0, positions
-    [num_actual_tokens] int64 with 0 for pads). The attention impl masks pad rows.
+    Returns (token_idx [num_local_rows] int64 with pads pointing at token 0, positions
+    [num_local_rows] int64 with 0 for pads). The attention impl masks pad rows.
     """
-    rows = meta.local_token_idx[:meta.num_actual_tokens]
-    return rows.clamp(min=0), meta.positions[:meta.num_actual_tokens]
+    rows = meta.local_token_idx[:meta.num_local_rows]
+    return rows.clamp(min=0), meta.positions[:meta.num_local_rows]
 
 
 def rows_holding(meta: AttentionMetadata, tokens: torch.Tensor) -> torch.Tensor:
     """This rank's row of each vLLM token in ``tokens`` ([n] int64), -1 where it has none."""
-    rows = meta.local_token_idx[:meta.num_actual_tokens]
+    rows = meta.local_token_idx[:meta.num_local_rows]
     tokens = tokens.to(torch.int64)
     size = 1 + max(int(rows.max()) if rows.numel() else -1,
                    int(tokens.max()) if tokens.numel() else -1)
@@ -166,7 +186,7 @@ def step_row_tokens(meta: AttentionMetadata, step: StepSpec) -> torch.Tensor:
     """
     nd = meta.num_decode_tokens
     if meta.pcp_partition is None:
-        return meta.local_token_idx[:meta.num_actual_tokens]
+        return meta.local_token_idx[:meta.num_local_rows]
     req, pos = meta.pcp_partition.restored_rows(meta.chunk_lens)
     req = meta.prefill_reqs[req]
     new = step.scheduled[req]

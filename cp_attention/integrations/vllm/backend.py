@@ -34,7 +34,7 @@ from cp_attention import envs
 from cp_attention.backend import CPAttentionBackend
 from cp_attention.config import CPConfig, CPRanks
 from cp_attention.integrations.vllm import LOGGER_NAME
-from cp_attention.integrations.vllm.adapter import (check_slot_mapping, cp_config_from_vllm,
+from cp_attention.integrations.vllm.adapter import (check_slot_mapping, engine_cp_config,
                                                     expected_vllm_dcp_rank, row_order,
                                                     step_from_vllm)
 from cp_attention.integrations.vllm.shm import impl_communicator
@@ -48,12 +48,6 @@ OPS_KINDS = {"cpu": "C++ CPU kernels", "reference": "pure-torch fallback"}  # At
 
 class PCPRowsNotSelected(RuntimeError):
     """A PCP step reached the impl without the PCP model runner selecting this rank's rows."""
-
-
-def vllm_cp_config(vllm_config: VllmConfig, block_size: int, decode_threshold: int = 1
-                   ) -> CPConfig:
-    """Our CPConfig for this vLLM deployment (mapping: ``adapter.cp_config_from_vllm``)."""
-    return cp_config_from_vllm(vllm_config.parallel_config, block_size, decode_threshold)
 
 
 def vllm_ranks(config: CPConfig) -> CPRanks:
@@ -145,10 +139,9 @@ class KVShardStats:
 class CPVllmMetadata:
     """Our per-rank metadata plus what the impl needs to map rows back to vLLM's order."""
 
-    inner: AttentionMetadata
-    num_actual_tokens: int  # rows the layer computes: vLLM's real tokens, or PCP local rows
-    row_idx: torch.Tensor | None  # [num_actual_tokens] vLLM token of each of our rows; None = same
-    block_size: int
+    inner: AttentionMetadata  # inner.num_local_rows: the rows the layer attends (vLLM's real
+    # tokens without PCP; the rest of its input is vLLM's batch padding)
+    row_idx: torch.Tensor | None  # [num_local_rows] vLLM token of each of our rows; None = same
     slot_mapping: torch.Tensor  # vLLM's (kept for code that reads it generically)
     num_vllm_tokens: int  # vLLM's real tokens of the step
     last_token_idx: torch.Tensor  # [num_reqs] vLLM token index of each request's last new token
@@ -163,12 +156,15 @@ class CPVllmMetadataBuilder(AttentionMetadataBuilder[CPVllmMetadata]):
     def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config: VllmConfig,
                  device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self._init_reorder_batch_threshold(1)  # vLLM puts decodes first, as our rows do
-        self.config = vllm_cp_config(vllm_config, kv_cache_spec.block_size,
-                                     decode_threshold=self.reorder_batch_threshold)
-        if not envs.CP_ATTENTION_VLLM_REORDER:
-            self.reorder_batch_threshold = None  # keep vLLM's batch order; rows are permuted
-        self.inner = CPAttentionBackend.get_builder_cls(self.config)(
+        self.config = engine_cp_config(vllm_config)  # the impls' object too
+        if kv_cache_spec.block_size != self.config.block_size:
+            raise RuntimeError(f"vLLM's kernel block size {kv_cache_spec.block_size} != its "
+                               f"--block-size {self.config.block_size}: cp_attention needs one")
+        # vLLM puts requests of <= threshold tokens first, as our rows put decodes; None keeps
+        # vLLM's batch order (rows are permuted)
+        self.reorder_batch_threshold = (self.config.decode_threshold
+                                        if envs.CP_ATTENTION_VLLM_REORDER else None)
+        self.inner = CPAttentionBackend.get_builder_cls()(
             self.config, vllm_ranks(self.config),
             sliding_window=getattr(kv_cache_spec, "sliding_window", None))
         self._reorder_seen = False
@@ -198,8 +194,7 @@ class CPVllmMetadataBuilder(AttentionMetadataBuilder[CPVllmMetadata]):
             log.info("cp_attention: row order differs from vLLM's batch order (our rows put "
                      "decodes first); rows are gathered and scattered")
         qsl = cm.query_start_loc_cpu[:cm.num_reqs + 1].to(torch.int64)
-        num_rows = meta.num_actual_tokens if self.config.pcp_size > 1 else step.num_new_tokens
-        return CPVllmMetadata(meta, num_rows, rows, self.config.block_size, cm.slot_mapping,
+        return CPVllmMetadata(meta, rows, cm.slot_mapping,
                               step.num_new_tokens, qsl[1:] - 1)
 
 
@@ -231,7 +226,7 @@ class CPVllmImpl(AttentionImpl[CPVllmMetadata]):
         self._kv_cache: torch.Tensor | None = None  # the layer's cache and its view, made once
         self._kv_view: torch.Tensor | None = None
         vllm_config = get_current_vllm_config()
-        self.config = vllm_cp_config(vllm_config, vllm_config.cache_config.block_size)
+        self.config = engine_cp_config(vllm_config)  # the builder's object too
         extra_kwargs = {}
         if self.config.uses_cp:
             extra_kwargs = {"groups": vllm_groups(self.config), "dcp_comm_backend":
@@ -258,7 +253,7 @@ class CPVllmImpl(AttentionImpl[CPVllmMetadata]):
         """query [T, Hq, D], key/value [T, Hkv, D], output [T, Hq, D] (T may be padded)."""
         if attn_metadata is None:  # profiling / warm-up run: nothing to attend
             return output
-        meta, n = attn_metadata, attn_metadata.num_actual_tokens
+        meta, n = attn_metadata, attn_metadata.inner.num_local_rows
         if self.config.pcp_size > 1 and not (meta.local_rows_fed and query.shape[0] == n):
             raise PCPRowsNotSelected(
                 f"PCP rank {self.pcp_rank}: the layer got {query.shape[0]} rows, this step's "
@@ -266,9 +261,9 @@ class CPVllmImpl(AttentionImpl[CPVllmMetadata]):
                 "model runner (PCPCPUModelRunner._model_forward) did not select this rank's "
                 "rows; is the vLLM runner still calling _model_forward (vLLM 0.32)?")
         if kv_cache is not self._kv_cache:  # the same tensor every step: view it once
-            if kv_cache.shape[2] != meta.block_size:
+            if kv_cache.shape[2] != self.config.block_size:
                 raise RuntimeError(f"KV cache block size {kv_cache.shape[2]} != metadata block "
-                                   f"size {meta.block_size}")
+                                   f"size {self.config.block_size}")
             self._kv_cache, self._kv_view = kv_cache, kv_cache_view(kv_cache, self.head_size)
         cache = self._kv_view
         rows = meta.row_idx

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # vLLM is imported lazily, inside install_pcp_config_hook
     from vllm.config import ModelConfig, ParallelConfig, VllmConfig
 
-from cp_attention.integrations.vllm.adapter import UnsupportedLayout, cp_config_from_vllm
+from cp_attention.integrations.vllm.adapter import UnsupportedLayout, engine_cp_config
 
 VLLM_PCP_FEATURE = "prefill context parallel"  # vLLM's entry (vllm/config/vllm.py:2960)
 VLLM_CPU_WORKER = "vllm.v1.worker.cpu_worker.CPUWorker"
@@ -52,7 +52,7 @@ def pcp_unsupported(vllm_config: VllmConfig) -> list[str]:
             found.append(f"{what} with --prefill-context-parallel-size > 1 (cp_attention PCP)")
 
     try:
-        cp_config_from_vllm(pc, block_size=cc.block_size or 16)
+        engine_cp_config(vllm_config)  # the builders' and impls' CPConfig
     except UnsupportedLayout as err:
         found.append(str(err))
     except ValueError:
