@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -11,6 +12,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
 
 from run_llm import RESULT_PREFIX  # sibling module (tests/vllm_e2e is on sys.path)
 
@@ -91,6 +94,17 @@ class Runs:
             f"{r['dtype']}: init {r['init_s']} s, generate {r['generate_s']} s" for r in parsed)
             + ")")
         self.results[name] = {None: parsed[-1], **{r["dtype"]: r for r in parsed}}
+
+
+def pcp_exchange_logged(log: str) -> bool:
+    """Whether an engine log names the PCP exchange this CPU gets: vLLM CPU's shared memory
+    (segment ``<ident>-cp_attention-pcp-[ranks]-cpushm``), whose ops only vLLM's AVX-512
+    builds have; an AVX2-only CPU loads ``_C_AVX2``, without ``shm_all_gather``
+    (``vllm/platforms/cpu.py`` ``import_kernels``), and the exchange runs on gloo."""
+    if torch.cpu._is_avx512_supported():
+        return re.search(r"cp_attention: PCP all-gather in shared memory \(\S+-cp_attention-"
+                         r"pcp-\[\d+-\d+\]-cpushm\)", log) is not None
+    return "cp_attention: the PCP exchange runs on gloo (no vLLM CPU shared memory ops)" in log
 
 
 def tokens(result: dict) -> list[list[int]]:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import RunSpec, Runs, greedy_margins  # sibling modules
+from harness import RunSpec, Runs, greedy_margins, pcp_exchange_logged  # sibling modules
 from loadgen import make_load, metric, run_load, summarize
 from real_model import log_prompt_maker, prepare
 from server import Server, group_alive
@@ -170,7 +170,7 @@ def test_our_server_ran_pcp_and_stopped_cleanly(loaded):
         assert f"cp_attention PCP model runner: pcp rank {rank}/2, token check on" in log
         assert re.search(rf"cp_attention impl active: .* heads 9/3 .*dcp rank {rank}/2, "
                          rf"pcp rank {rank}/2, kv_shard cp", log), log[-3000:]
-    assert "cp_attention: PCP all-gather in shared memory" in log
+    assert pcp_exchange_logged(log), log[-3000:]
     assert "PCPTokenMismatch" not in log
     assert server.stopped_cleanly and not group_alive(server.pgid)
     assert loaded["own"]["server"].stopped_cleanly
