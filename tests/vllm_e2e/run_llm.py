@@ -4,8 +4,11 @@ Usage: python run_llm.py MODEL_DIR [--tp N] [--dcp N] [--pcp N] [--interleave I]
        [--max-tokens N|JSON] [--max-num-seqs N] [--max-batched N] [--logprobs K]
        [--prompt-logprobs K] [--dtype float32|bfloat16|float32,bfloat16] [--dcp-comm-backend ag_rs|a2a]
        [--prefix-caching] [--no-eager] [--nnodes N --master-port P [--master-addr A]]
-       --prompts JSON|@FILE
+       [--ngram K,MAX,MIN] --prompts JSON|@FILE
 The attention backend is chosen by the environment (CP_ATTENTION_VLLM=1: cp_attention).
+``--ngram K,MAX,MIN``: ngram speculative decoding (K speculative tokens, prompt_lookup_max MAX,
+prompt_lookup_min MIN) with vLLM's stats on; the result then holds ``spec``, vLLM's
+``vllm:spec_decode_*`` counters after generation (``LLM.get_metrics()``).
 With ``--nnodes N`` this process is node 0 of vLLM's multi-node launch (its engine and the first
 world_size/N workers); nodes 1..N-1 run ``launch/vllm_serve.py MODEL ... --headless``.
 """
@@ -42,6 +45,7 @@ def main() -> None:
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--master-addr", default="127.0.0.1")
     p.add_argument("--master-port", type=int, default=None)
+    p.add_argument("--ngram", default=None, help="K,MAX,MIN: ngram speculative decoding")
     p.add_argument("--prompts", required=True,
                    help="JSON list of token-id lists, or @FILE holding it (long prompts)")
     a = p.parse_args()
@@ -59,6 +63,11 @@ def main() -> None:
         kwargs.update(decode_context_parallel_size=a.dcp, cp_kv_cache_interleave_size=a.interleave)
     if a.pcp > 1:
         kwargs["prefill_context_parallel_size"] = a.pcp
+    if a.ngram is not None:
+        k, most, least = (int(x) for x in a.ngram.split(","))
+        kwargs.update(speculative_config={"method": "ngram", "num_speculative_tokens": k,
+                                          "prompt_lookup_max": most, "prompt_lookup_min": least},
+                      disable_log_stats=False)
     if a.dcp_comm_backend is not None:
         kwargs["dcp_comm_backend"] = a.dcp_comm_backend
     if a.tp * a.pcp > 1:
@@ -87,6 +96,9 @@ def main() -> None:
         t2 = time.time()
         result = {"dtype": dtype, "init_s": round(t1 - t0, 2), "generate_s": round(t2 - t1, 2),
                   "requests": [_request(out, a.logprobs) for out in outputs]}
+        if a.ngram is not None:
+            result["spec"] = {m.name: m.value for m in llm.get_metrics()
+                              if m.name.startswith("vllm:spec_decode_") and hasattr(m, "value")}
         print(RESULT_PREFIX + json.dumps(result), flush=True)
 
 

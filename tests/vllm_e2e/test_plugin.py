@@ -275,8 +275,6 @@ def make_tiny_llama_dir(tmp_path):
     ({"enforce_eager": False}, "--enforce-eager"),
     ({"pipeline_parallel_size": 2}, "--pipeline-parallel-size"),
     ({"enable_lora": True}, "--enable-lora"),
-    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2,
-                             "prompt_lookup_max": 2}}, "--speculative-config"),
     ({"worker_cls": "my.Worker"}, "--worker-cls my.Worker"),
 ])
 def test_plugin_refuses_unsupported_pcp_combinations(tmp_path, pcp_plugin, kwargs, flag):
@@ -284,6 +282,34 @@ def test_plugin_refuses_unsupported_pcp_combinations(tmp_path, pcp_plugin, kwarg
     with pytest.raises(ValueError) as err:
         _engine_config(make_tiny_llama_dir(tmp_path), prefill_context_parallel_size=2, **kwargs)
     assert flag in str(err.value), str(err.value)
+
+
+def test_plugin_runs_ngram_speculation_under_pcp(tmp_path, pcp_plugin):
+    """ngram drafts come from token ids on the host (no draft KV): accepted with pcp = 2 and
+    pcp = dcp = 2, with the PCP worker and decode_threshold 1 + speculative tokens."""
+    from cp_attention.integrations.vllm.adapter import engine_cp_config
+    from cp_attention.integrations.vllm.config_hook import PCP_WORKER
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
+            "prompt_lookup_min": 2}
+    for dcp in (1, 2):
+        config = _engine_config(make_tiny_llama_dir(tmp_path / f"d{dcp}"),
+                                prefill_context_parallel_size=2,
+                                decode_context_parallel_size=dcp, speculative_config=spec)
+        assert config.parallel_config.worker_cls == PCP_WORKER
+        assert engine_cp_config(config).decode_threshold == 4
+
+
+def test_plugin_refuses_draft_model_speculation_under_pcp(tmp_path, pcp_plugin):
+    """A draft model keeps its own KV cache, which PCP does not shard: refused, naming the
+    method and the flag."""
+    model = make_tiny_llama_dir(tmp_path)
+    spec = {"method": "draft_model", "model": str(model), "num_speculative_tokens": 2}
+    with pytest.raises(ValueError) as err:
+        _engine_config(model, prefill_context_parallel_size=2, speculative_config=spec)
+    text = str(err.value)
+    assert "--speculative-config" in text and "'draft_model'" in text, text
+    assert "only 'ngram' runs" in text, text
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(4, 2), (9, 3), (4, 4)])

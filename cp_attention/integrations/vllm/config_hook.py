@@ -57,7 +57,12 @@ def pcp_unsupported(vllm_config: VllmConfig) -> list[str]:
         found.append(str(err))
     except ValueError:
         pass  # other size errors are vLLM's or the builder's to report
-    refuse(vllm_config.speculative_config is not None, "speculative decoding (--speculative-config)")
+    spec = vllm_config.speculative_config
+    method = getattr(spec, "method", None) if spec is not None else None
+    refuse(spec is not None and method != "ngram",
+           f"speculative decoding method {method!r} (--speculative-config; only 'ngram' runs: "
+           "a draft model or EAGLE / MTP head keeps its own KV cache, which cp_attention PCP "
+           "does not shard or replicate yet)")
     refuse(vllm_config.lora_config is not None, "LoRA (--enable-lora)")
     refuse(pc.pipeline_parallel_size > 1, "pipeline parallel (--pipeline-parallel-size)")
     refuse(pc.data_parallel_size > 1, "data parallel (--data-parallel-size)")

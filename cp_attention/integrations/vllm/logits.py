@@ -12,8 +12,8 @@ bitwise those of the whole head (tests/vllm_e2e/test_logits_split.py).
 
 The split applies where vLLM left a plain head: tp = 1, unquantized weight and a CPU GEMM
 installed by vLLM (``layer.cpu_linear``); elsewhere the head stays whole and the log says why
-(LoRA and speculative decoding, which would bring other heads, are refused with pcp > 1 at
-start-up: :mod:`.config_hook`). ``CP_ATTENTION_VLLM_SPLIT_LM_HEAD=0`` keeps it whole.
+(LoRA and speculative decoding with a draft model, which would bring other heads, are refused
+with pcp > 1 at start-up: :mod:`.config_hook`; ngram speculation has no head of its own). ``CP_ATTENTION_VLLM_SPLIT_LM_HEAD=0`` keeps it whole.
 
 Private vLLM names relied on (vLLM 0.32.0): ``ParallelLMHead.cpu_linear`` (set by
 ``dispatch_cpu_unquantized_gemm``, ``vllm/model_executor/layers/utils.py:470``) and its call

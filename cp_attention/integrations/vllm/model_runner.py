@@ -6,15 +6,19 @@ the backend's builder). :meth:`PCPCPUModelRunner._model_forward` (documented as 
 (``AttentionMetadata.local_token_idx`` / ``positions``: decodes, then each prefill's head and
 tail chunks, pads included), then restores the hidden states vLLM reads next:
 ``execute_model`` takes ``hidden_states[logits_indices]`` (``:4241``), i.e. the last new token
-of each request, and, for requests with prompt logprobs, ``hidden_states[:num_tokens]``
-(``:3589``). Only those rows are gathered: one all-gather over the PCP group of
-``[wanted rows, hidden + 1]`` (hidden row, or zeros, and a "held here" flag); each wanted row is
-taken from the first rank that holds it. Every other row of the returned tensor is zero.
-Before running the model it marks the step's metadata (``CPVllmMetadata.local_rows_fed``);
-the impl refuses a PCP step without that mark (:class:`~.backend.PCPRowsNotSelected`), so a vLLM
-whose runner stopped calling ``_model_forward`` fails instead of attending the wrong rows.
+of each request (with speculative decoding every verified row: each draft and the bonus
+position, kept by :meth:`PCPCPUModelRunner._prepare_inputs`), and, for requests with prompt
+logprobs, ``hidden_states[:num_tokens]`` (``:3589``). Only those rows are gathered: one
+all-gather over the PCP group of ``[wanted rows, hidden + 1]`` (hidden row, or zeros, and a
+"held here" flag); each wanted row is taken from the first rank that holds it. Every other
+row of the returned tensor is zero. Before running the model it marks the step's metadata
+(``CPVllmMetadata.local_rows_fed``); the impl refuses a PCP step without that mark
+(:class:`~.backend.PCPRowsNotSelected`), so a vLLM whose runner stopped calling
+``_model_forward`` fails instead of attending the wrong rows.
 
 Private vLLM names relied on (vLLM 0.32.0): ``GPUModelRunner._model_forward`` (override),
+``GPUModelRunner._prepare_inputs`` (wrapped; returns ``logits_indices, spec_decode_metadata,
+max_num_sampled_tokens``, ``gpu_model_runner.py:1920``),
 ``GPUModelRunner.num_prompt_logprobs`` (runner dict, ``gpu_model_runner.py:686``),
 ``CPUModelRunner`` (``vllm/v1/worker/cpu_model_runner.py:23``), ``get_forward_context()``
 (``vllm/forward_context.py``), ``get_pcp_group().cpu_group``.
@@ -75,6 +79,9 @@ class PCPCPUModelRunner(CPUModelRunner):
         self.restore_stats = RestoreStats()
         self.check_tokens = envs.CP_ATTENTION_VLLM_CHECK_TOKENS
         self.sample_step = 0
+        # vLLM's logits_indices of this step when it verifies drafts (speculative decoding),
+        # else None: set by _prepare_inputs, read (once) by _restore_hidden
+        self.spec_logits_indices: torch.Tensor | None = None
         log.info("cp_attention PCP model runner: pcp rank %d/%d, token check %s",
                  self.pcp_group.rank_in_group, self.pcp_group.world_size,
                  "on" if self.check_tokens else "off")
@@ -85,6 +92,16 @@ class PCPCPUModelRunner(CPUModelRunner):
         group = self.pcp_group
         split_lm_head(self.model, group.rank_in_group, group.world_size,
                       lambda part: self.pcp_comm.all_gather(part, group.cpu_group, dim=1))
+
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        """vLLM's, keeping ``logits_indices`` of a step with speculative decoding: the
+        rejection sampler reads the hidden states of every verified row (each draft and the
+        bonus position, ``gpu_model_runner.py:2223-2226``), not only each request's last one."""
+        logits_indices, spec_decode_metadata, max_sampled = super()._prepare_inputs(
+            scheduler_output, num_scheduled_tokens)
+        self.spec_logits_indices = (None if spec_decode_metadata is None
+                                    else logits_indices.to("cpu", torch.int64))
+        return logits_indices, spec_decode_metadata, max_sampled
 
     def _model_forward(self, input_ids: torch.Tensor | None = None,
                        positions: torch.Tensor | None = None, intermediate_tensors=None,
@@ -111,8 +128,15 @@ class PCPCPUModelRunner(CPUModelRunner):
     def _restore_hidden(self, hidden: torch.Tensor, meta: CPVllmMetadata,
                         num_rows: int) -> torch.Tensor:
         """hidden [local rows, H] -> [num_rows, H] in vLLM's token order (wanted rows only)."""
+        spec_rows, self.spec_logits_indices = self.spec_logits_indices, None
         if self.num_prompt_logprobs:  # prompt logprobs read every token's hidden state
             wanted = torch.arange(meta.num_vllm_tokens)
+        elif spec_rows is not None:  # speculative decoding: every row the sampler verifies
+            if spec_rows.numel() and int(spec_rows.max()) >= meta.num_vllm_tokens:
+                raise RuntimeError(f"hidden-state restore: vLLM's logits_indices reach row "
+                                   f"{int(spec_rows.max())} of a {meta.num_vllm_tokens}-token "
+                                   "step (stale speculative indices)")
+            wanted = torch.unique(torch.cat([spec_rows, meta.last_token_idx.to(torch.int64)]))
         else:
             wanted = meta.last_token_idx
         held = rows_holding(meta.inner, wanted)

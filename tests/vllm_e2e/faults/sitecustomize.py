@@ -13,7 +13,11 @@ Faults (each breaks one thing the e2e tests must notice):
   * ``skip_hidden_restore``: the PCP runner keeps only its own rows' hidden states;
   * ``perturb_tokens``: PCP rank 1 reports a wrong first token to the token check;
   * ``runner_skips_model_forward``: the PCP runner's ``_model_forward`` override is not called
-    (as if vLLM renamed the method): the impl gets the global rows and must refuse them.
+    (as if vLLM renamed the method): the impl gets the global rows and must refuse them;
+  * ``spec_shorten_accepted``: on PCP rank 1 vLLM's rejection sampler drops the last accepted
+    token of the first request that accepted a draft (a corrupted accepted length);
+  * ``spec_restore_last_rows_only``: the PCP runner forgets vLLM's speculative logits_indices
+    and restores only each request's last row (the draft rows' hidden states stay zero).
 """
 from __future__ import annotations
 
@@ -75,8 +79,44 @@ def runner_skips_model_forward() -> str:
     return "the PCP runner's _model_forward override is bypassed (global rows reach the impl)"
 
 
+def spec_shorten_accepted() -> str:
+    from vllm.distributed.parallel_state import get_pcp_group
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+
+    forward = RejectionSampler.forward
+
+    def shortened(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        if get_pcp_group().rank_in_group == 1:
+            ids = out.sampled_token_ids  # [num_reqs, 1 + k], -1 past the accepted tokens
+            valid = (ids >= 0).sum(dim=1)
+            longer = (valid >= 2).nonzero().flatten()
+            if longer.numel():
+                row = int(longer[0])
+                ids[row, int(valid[row]) - 1] = -1
+        return out
+
+    RejectionSampler.forward = shortened
+    return "PCP rank 1 drops one accepted speculative token"
+
+
+def spec_restore_last_rows_only() -> str:
+    from cp_attention.integrations.vllm.model_runner import PCPCPUModelRunner
+
+    prepare = PCPCPUModelRunner._prepare_inputs
+
+    def forgetful(self, *args, **kwargs):
+        out = prepare(self, *args, **kwargs)
+        self.spec_logits_indices = None
+        return out
+
+    PCPCPUModelRunner._prepare_inputs = forgetful
+    return "the PCP runner restores only the last row of each request (draft rows zero)"
+
+
 FAULTS = {f.__name__: f for f in (skip_dcp_combine, skip_hidden_restore, perturb_tokens,
-                                  runner_skips_model_forward)}
+                                  runner_skips_model_forward, spec_shorten_accepted,
+                                  spec_restore_last_rows_only)}
 
 
 def _install(name: str) -> None:
