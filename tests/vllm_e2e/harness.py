@@ -96,15 +96,20 @@ class Runs:
         self.results[name] = {None: parsed[-1], **{r["dtype"]: r for r in parsed}}
 
 
-def pcp_exchange_logged(log: str) -> bool:
-    """Whether an engine log names the PCP exchange this CPU gets: vLLM CPU's shared memory
-    (segment ``<ident>-cp_attention-pcp-[ranks]-cpushm``), whose ops only vLLM's AVX-512
-    builds have; an AVX2-only CPU loads ``_C_AVX2``, without ``shm_all_gather``
-    (``vllm/platforms/cpu.py`` ``import_kernels``), and the exchange runs on gloo."""
-    if torch.cpu._is_avx512_supported():
-        return re.search(r"cp_attention: PCP all-gather in shared memory \(\S+-cp_attention-"
-                         r"pcp-\[\d+-\d+\]-cpushm\)", log) is not None
-    return "cp_attention: the PCP exchange runs on gloo (no vLLM CPU shared memory ops)" in log
+def pcp_exchange_logged(log: str, nodes: int = 1) -> bool:
+    """Whether an engine log names the PCP exchange this CPU gets: on one node, vLLM CPU's
+    shared memory (segment ``<ident>-cp_attention-pcp-[ranks]-cpushm``), whose ops only
+    vLLM's AVX-512 builds have; an AVX2-only CPU loads ``_C_AVX2``, without
+    ``shm_all_gather`` (``vllm/platforms/cpu.py`` ``import_kernels``), and the exchange runs
+    on gloo. Ranks on ``nodes`` > 1 vLLM nodes share no segment: gloo, for the reason this CPU
+    meets first."""
+    if not torch.cpu._is_avx512_supported():
+        return "cp_attention: the PCP exchange runs on gloo (no vLLM CPU shared memory ops)" in log
+    if nodes > 1:
+        return (f"cp_attention: the PCP exchange runs on gloo (its ranks are on {nodes} vLLM "
+                "nodes") in log and "PCP all-gather in shared memory" not in log
+    return re.search(r"cp_attention: PCP all-gather in shared memory \(\S+-cp_attention-"
+                     r"pcp-\[\d+-\d+\]-cpushm\)", log) is not None
 
 
 def tokens(result: dict) -> list[list[int]]:
