@@ -40,7 +40,7 @@ class Runs:
     """Runs each configuration once (lazily) and keeps its parsed result(s) and log.
 
     A run with ``--dtype float32,bfloat16`` prints one result per dtype; ``get(name, dtype)``
-    picks one (without ``dtype``: the last).
+    picks one (without ``dtype``: the first, the run's main dtype).
     """
 
     def __init__(self, models: dict[str, Path], workdir: Path, specs: dict[str, RunSpec],
@@ -93,7 +93,7 @@ class Runs:
         print(f"\n[vllm e2e] {name}: wall {wall} s (" + ", ".join(
             f"{r['dtype']}: init {r['init_s']} s, generate {r['generate_s']} s" for r in parsed)
             + ")")
-        self.results[name] = {None: parsed[-1], **{r["dtype"]: r for r in parsed}}
+        self.results[name] = {None: parsed[0], **{r["dtype"]: r for r in parsed}}
 
 
 def pcp_exchange_logged(log: str, nodes: int = 1) -> bool:

@@ -8,8 +8,9 @@ run contain: a first step of three prefills (8, 37 and the first 19 tokens of 10
 prefill whose later chunks (63, then 18 tokens) attend cached (DCP-sharded) context next to
 decodes; a one-token prompt; prompts crossing block boundaries. Request 0 ends after its
 prefill, so vLLM moves the chunked prefill into batch slot 0 ahead of a decode: with
-``CP_ATTENTION_VLLM_REORDER=0`` (vLLM keeps that order) our rows are a permutation of vLLM's
-and the gather/scatter path runs; by default vLLM reorders decodes first and the orders agree.
+``CP_ATTENTION_VLLM_REORDER=0`` (vLLM keeps that order; run at dcp=2, the gather/scatter being
+the same code at tp=1) our rows are a permutation of vLLM's and the gather/scatter path runs;
+by default vLLM reorders decodes first and the orders agree.
 """
 from __future__ import annotations
 
@@ -39,7 +40,6 @@ DCP2 = ("--tp", "2", "--dcp", "2")
 RUNS = {
     "cpu_attn_tp1": RunSpec(),
     "cp_tp1": RunSpec(CP),
-    "cp_tp1_noreorder": RunSpec({**CP, **NO_REORDER}),
     "cp_tp2_dcp2": RunSpec({**CP, **MULTI_WORKER}, DCP2),
     "cp_tp2_dcp2_il16_noreorder": RunSpec({**CP, **MULTI_WORKER, **NO_REORDER},
                                           DCP2 + ("--interleave", "16")),
@@ -47,7 +47,7 @@ RUNS = {
     "cp_tp2_dcp2_fault": RunSpec({**CP, **MULTI_WORKER}, DCP2, fault="skip_dcp_combine"),
 }
 REFERENCE = "cpu_attn_tp1"
-OURS = ["cp_tp1", "cp_tp1_noreorder", "cp_tp2_dcp2", "cp_tp2_dcp2_il16_noreorder", "cp_tp2_dcp2_a2a"]
+OURS = ["cp_tp1", "cp_tp2_dcp2", "cp_tp2_dcp2_il16_noreorder", "cp_tp2_dcp2_a2a"]
 
 
 @pytest.fixture(scope="module")

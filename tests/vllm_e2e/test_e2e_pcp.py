@@ -55,15 +55,13 @@ MARGIN_OVER_DIFF = 10.0
 CHECK = {"CP_ATTENTION_VLLM_CHECK_TOKENS": "1"}
 PCP2 = ("--pcp", "2")
 DCP2 = ("--dcp", "2")
-BF16 = ("--dtype", "bfloat16")
+BOTH = ("--dtype", "float32,bfloat16")  # one engine per dtype, in one process
 PROMPT_LOGPROBS = ("--prompt-logprobs", "2")
 RUNS = {
-    "gqa_cpu_attn": RunSpec(),
-    "gqa_pcp2": RunSpec({**CP, **CHECK, **MULTI_WORKER}, PCP2),
-    "gqa_cpu_attn_bf16": RunSpec({}, BF16),
+    "gqa_cpu_attn": RunSpec({}, BOTH),
+    "gqa_pcp2": RunSpec({**CP, **CHECK, **MULTI_WORKER}, PCP2 + BOTH),
     "gqa_cpu_attn_plp": RunSpec({}, PROMPT_LOGPROBS),
     "gqa_pcp2_plp": RunSpec({**CP, **CHECK, **MULTI_WORKER}, PCP2 + PROMPT_LOGPROBS),
-    "gqa_pcp2_bf16": RunSpec({**CP, **CHECK, **MULTI_WORKER}, PCP2 + BF16),
     "gqa_pcp2_no_restore": RunSpec({**CP, **MULTI_WORKER}, PCP2, fault="skip_hidden_restore"),
     "gqa_pcp2_bad_rank": RunSpec({**CP, **CHECK, **MULTI_WORKER}, PCP2, fails=True,
                                  fault="perturb_tokens"),
@@ -155,7 +153,7 @@ def test_pcp_worker_and_backend_used(runs, name, impl, kv_shard):
 
 
 def test_reference_runs_are_vllm_cpu_attn(runs):
-    for name in ("gqa_cpu_attn", "g93_cpu_attn", "gqa_cpu_attn_bf16"):
+    for name in ("gqa_cpu_attn", "g93_cpu_attn"):
         assert "cp_attention" not in runs.log(name)
 
 
@@ -165,9 +163,13 @@ def test_hidden_restore_gathers_only_sampled_rows(runs):
                        r"tokens, (\d+) bytes sent \(all (\d+) local rows: (\d+)\)",
                        runs.log("gqa_pcp2"))
     assert lines
+    sizes = set()
     for step, wanted, num_tokens, sent, local_rows, all_rows in lines:
-        assert int(sent) == (int(wanted)) * (64 + 1) * 4  # [wanted, hidden + flag] fp32, 1 peer
-        assert int(all_rows) == int(local_rows) * 64 * 4
+        size = int(all_rows) // (int(local_rows) * 64)  # bytes per element: fp32, then bf16
+        sizes.add(size)
+        assert int(all_rows) == int(local_rows) * 64 * size
+        assert int(sent) == int(wanted) * (64 + 1) * size  # [wanted, hidden + flag], 1 peer
+    assert sizes == {4, 2}  # the run's two engines
     total_sent = sum(int(x[3]) for x in lines)
     total_all = sum(int(x[5]) for x in lines)
     print(f"hidden restore over prefill steps: {total_sent} bytes vs {total_all} for all rows")
@@ -179,7 +181,7 @@ def test_bf16_pcp_matches_cpu_attn_bf16(runs):
     first step whose margin is below it may legitimately differ and ends that request's
     comparison. Logprobs are not bounded: bf16 logits carry 8 mantissa bits, so equal tokens
     come with logprobs that differ by an ulp of the logits (observed up to 0.43)."""
-    a, b = runs.get("gqa_cpu_attn_bf16"), runs.get("gqa_pcp2_bf16")
+    a, b = runs.get("gqa_cpu_attn", "bfloat16"), runs.get("gqa_pcp2", "bfloat16")
     compared = 0
     for ra, rb in zip(a["requests"], b["requests"], strict=True):
         for sa, sb in zip(ra["steps"], rb["steps"]):
