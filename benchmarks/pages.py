@@ -77,6 +77,9 @@ PAGES = (
          13,
          ("bench_pcp_kv_memory.json",),
          "python -m benchmarks.bench_pcp_kv_memory --out results/"),
+    Page("bench_vllm_load", "vLLM's OpenAI server under a concurrent load", 15,
+         ("bench_vllm_load.json",),
+         "python -m benchmarks.bench_vllm_load --out results/  # the vLLM venv"),
     Page("bench_prefill_kernel", "CPU prefill kernel vs PyTorch's flash op, SDPA and vLLM",
          14, ("bench_prefill_kernel.json",),
          "PYTHONPATH=. <vLLM venv>/bin/python -m benchmarks.bench_prefill_kernel --out results/ "

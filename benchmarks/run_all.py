@@ -7,8 +7,9 @@
 ``bench_speed`` runs before ``bench_cost_model`` (which validates on its JSON in the same
 folder). ``--quick`` gives every benchmark its smoke-test sizes and, unless ``--out`` is given,
 writes to a new temporary folder, so that a smoke run never replaces the measured runs in
-``results/``. ``bench_vllm_ttft`` and ``bench_vllm_real`` start vLLM engines: they run only
-where this interpreter can import vLLM (the vLLM venv, ``pip install -e '.[vllm,bench]'``);
+``results/``. ``bench_vllm_ttft``, ``bench_vllm_real`` and ``bench_vllm_load`` start vLLM
+engines: they run only where this interpreter can import vLLM (the vLLM venv,
+``pip install -e '.[vllm,bench]'``);
 elsewhere they are reported as not run, nothing is written for them, and the exit status is 1
 if they were asked for with ``--only``. ``bench_cpu_ops`` and ``bench_prefill_kernel`` leave
 the vLLM column out where vLLM is missing (their JSON says so).
@@ -54,6 +55,7 @@ BENCHMARKS = (
     Bench("bench_prefill_kernel", "bench_prefill_kernel"),
     Bench("bench_vllm_ttft", "bench_vllm_ttft", needs_vllm=True),
     Bench("bench_vllm_real", "bench_vllm_real", needs_vllm=True),
+    Bench("bench_vllm_load", "bench_vllm_load", needs_vllm=True),
 )
 ORDER = tuple(b.name for b in BENCHMARKS)
 
