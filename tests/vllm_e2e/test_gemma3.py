@@ -25,15 +25,18 @@ Runs (``RUNS``), each one subprocess:
   but ``short`` prefilled in chunks), prefix caching off, so the window layers' PCP exchange
   moves only the windows' halos and caches only each prefill's last window
   (``window_cache="window"``, docs/pcp.md section 9);
+* ``cp_pcp2_ngram``: as ``cp_pcp2`` with vLLM's ngram speculative decoding (3 tokens, lookup
+  2..4): verification steps of up to 4 rows per request over window and global layers;
 * ``cp_pcp2_nohybrid``: the plugin at pcp=2 with ``--disable-hybrid-kv-cache-manager`` (all 18
   layers in one KV cache group: one metadata builder for two windows, test_window_groups.py),
   ``short`` and the ``shared_*`` prompts (without the hybrid manager every layer keeps the whole
   context: ``long`` would not fit the 1 GiB KV cache).
 
-Asserted: every run's tokens equal CPU_ATTN's, logprobs within ``LOGPROB_TOL``; cached tokens
-of ``cp_pcp2`` >= CPU_ATTN's on every request; the prefix-cache rule of each setting
-(docs/vllm.md): dense retention and no hybrid manager: ``shared_b`` and ``shared_c`` hit X;
-prefix caching off: nothing; the chunked run's steps fit its budget; the logs show our impl (4/1 heads) and the
+Asserted: every run's tokens equal CPU_ATTN's (without speculation), logprobs within
+``LOGPROB_TOL``; cached tokens of ``cp_pcp2`` >= CPU_ATTN's on every request; the prefix-cache
+rule of each setting (docs/vllm.md): dense retention and no hybrid manager: ``shared_b`` and
+``shared_c`` hit X; prefix caching off: nothing; the ngram run accepted drafts (vLLM's
+counters); the chunked run's steps fit its budget; the logs show our impl (4/1 heads) and the
 PCP runner on both ranks, and no cp_attention line in the CPU_ATTN run.
 """
 from __future__ import annotations
@@ -63,6 +66,7 @@ RUNS = {
     "cpu_attn": RunSpec({}, DENSE),
     "cp_pcp2": RunSpec(PCP2[0], PCP2[1] + DENSE),
     "cp_pcp2_chunked": RunSpec(PCP2[0], PCP2[1] + ("--max-batched", str(CHUNK))),
+    "cp_pcp2_ngram": RunSpec(PCP2[0], PCP2[1] + DENSE + ("--ngram", "3,4,2")),
     "cp_pcp2_nohybrid": RunSpec(PCP2[0], PCP2[1] + ("--prefix-caching",
                                                     "--disable-hybrid-kv-cache-manager",
                                                     "--prompts", "@prompts_no_long.json")),
@@ -137,6 +141,7 @@ def test_fp32_tokens_identical(runs, name):
     ("cpu_attn", {"shared_b": HIT, "shared_c": HIT}),  # dense retention
     ("cp_pcp2", {"shared_b": HIT, "shared_c": HIT}),
     ("cp_pcp2_chunked", {}),  # prefix caching off
+    ("cp_pcp2_ngram", {"shared_b": HIT, "shared_c": HIT}),
     ("cp_pcp2_nohybrid", {"shared_b": HIT, "shared_c": HIT}),  # every layer as full attention
 ])
 def test_prefix_cache_hits(runs, name, expected):
@@ -147,6 +152,15 @@ def test_prefix_cache_hits(runs, name, expected):
     if name == "cp_pcp2":
         ref = _by_name(runs, "cpu_attn", "num_cached_tokens")
         assert all(cached[n] >= ref[n] for n in NAMES), (cached, ref)
+
+
+def test_ngram_drafts_accepted(runs):
+    """vLLM's own counters: speculation ran and some drafts were accepted (the tokens equal
+    CPU_ATTN's without speculation: test_fp32_tokens_identical)."""
+    spec = runs.get("cp_pcp2_ngram")["spec"]
+    accepted, drafted = (spec[f"vllm:spec_decode_num_{k}_tokens"] for k in ("accepted", "draft"))
+    print(f"cp_pcp2_ngram: {accepted:.0f} of {drafted:.0f} draft tokens accepted")
+    assert drafted > 0 and accepted > 0, spec
 
 
 def test_chunked_prefill_steps_fit_the_budget(runs):
