@@ -12,8 +12,10 @@ TTFT and TPOT p50 / p99 (client side, from the stream's chunk times).
   --decode-context-parallel-size 2`` (two workers, each on both cores: ``nobind``);
 * ``vllm_cpu_attn_pcp1``: vLLM's own server, CPU_ATTN, one worker.
 
-Both use the whole machine; with 16 requests in flight every step carries a prefill chunk, so
-TPOT is the time of a mixed step. Ratios are ours over vLLM's (> 1: ours faster).
+Neither server is confined: ours spreads two workers over both cores, while vLLM's one worker
+was seen to keep the load average near 1 (about one core; docs/performance.md section 15), so
+the ratio is about a per-device one. With 16 requests in flight every step carries a prefill
+chunk, so TPOT is the time of a mixed step. Ratios are ours over vLLM's (> 1: ours faster).
 
     python -m benchmarks.bench_vllm_load --out results/ [--quick]   # the vLLM venv
 """

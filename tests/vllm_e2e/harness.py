@@ -107,7 +107,7 @@ def pcp_exchange_logged(log: str, nodes: int = 1) -> bool:
         return "cp_attention: the PCP exchange runs on gloo (no vLLM CPU shared memory ops)" in log
     if nodes > 1:
         return (f"cp_attention: the PCP exchange runs on gloo (its ranks are on {nodes} vLLM "
-                "nodes") in log and "PCP all-gather in shared memory" not in log
+                "nodes") in log
     return re.search(r"cp_attention: PCP all-gather in shared memory \(\S+-cp_attention-"
                      r"pcp-\[\d+-\d+\]-cpushm\)", log) is not None
 

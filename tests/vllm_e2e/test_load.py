@@ -5,7 +5,7 @@ served with ``CP_ATTENTION_VLLM=1 --prefill-context-parallel-size 2
 --decode-context-parallel-size 2`` (two workers, the KV of every request sharded over both,
 chunked prefill, prefix caching on, the per-step token check on). ``loadgen`` sends 32 greedy
 streaming completions with prompts of 20 to 4,000 tokens (log-uniform; a slice of a ship's log
-and a question in the chat template, a bare slice below 50 tokens), 16 in flight; every 10th is
+and a question in the chat template, a bare slice below 50 tokens), 16 in flight; every 8th is
 cancelled after two chunks; three invalid requests (a prompt over the model length, a negative
 temperature, top_p > 1) are mixed in. Asserted: every valid request completes with all its
 tokens and equals the offline run of vLLM's own CPU_ATTN at pcp=1 (a difference only at a
