@@ -21,23 +21,32 @@ Runs (``RUNS``), each one subprocess:
   the reference;
 * ``cp_pcp2``: the plugin at pcp=2 (token check on), as ``cpu_attn`` (window layers cache every
   token: ``window_cache="all"``);
-* ``cp_pcp2_chunked``: the plugin at pcp=2, ``max_num_batched_tokens`` = ``CHUNK`` (every prompt
-  but ``short`` prefilled in chunks), prefix caching off, so the window layers' PCP exchange
-  moves only the windows' halos and caches only each prefill's last window
+* ``cp_pcp2_dcp2_chunked``: the plugin at pcp=2 with ``--decode-context-parallel-size 2``: the 3
+  global layers' KV sharded over the two ranks, the 15 window layers' kept whole on each
+  (docs/vllm.md "DCP for sliding-window layers"); ``max_num_batched_tokens`` = ``CHUNK`` (every
+  prompt but ``short`` prefilled in chunks), prefix caching off, so the window layers' PCP
+  exchange moves only the windows' halos and caches only each prefill's last window
   (``window_cache="window"``, docs/pcp.md section 9);
-* ``cp_pcp2_ngram``: as ``cp_pcp2`` with vLLM's ngram speculative decoding (3 tokens, lookup
-  2..4): verification steps of up to 4 rows per request over window and global layers;
-* ``cp_pcp2_nohybrid``: the plugin at pcp=2 with ``--disable-hybrid-kv-cache-manager`` (all 18
-  layers in one KV cache group: one metadata builder for two windows, test_window_groups.py),
-  ``short`` and the ``shared_*`` prompts (without the hybrid manager every layer keeps the whole
-  context: ``long`` would not fit the 1 GiB KV cache).
+* ``cp_pcp2_dcp2_ngram``: pcp=2 dcp=2, prefix caching as ``cpu_attn``, with vLLM's ngram
+  speculative decoding (3 tokens, lookup 2..4): verification steps of up to 4 rows per request
+  over window layers (whole KV) and global layers (sharded KV, merged by LSE);
+* ``cp_pcp2_dcp2_nohybrid``: pcp=2 dcp=2 with ``--disable-hybrid-kv-cache-manager`` (all 18
+  layers in one KV cache group, every token kept and sharded, windows applied in global
+  positions: one metadata builder for two windows, test_window_groups.py), ``short`` and the
+  ``shared_*`` prompts (without the hybrid manager every layer keeps the whole context: ``long``
+  would not fit the 1 GiB KV cache).
+
+pcp=2 with chunked prefill, and ngram at pcp=2, ran here before the DCP runs replaced them
+(bc70100); the same paths run at pcp=2 dcp=2 and, for SmolLM2, at pcp=2 (test_real_model.py,
+test_spec_decode.py).
 
 Asserted: every run's tokens equal CPU_ATTN's (without speculation), logprobs within
-``LOGPROB_TOL``; cached tokens of ``cp_pcp2`` >= CPU_ATTN's on every request; the prefix-cache
-rule of each setting (docs/vllm.md): dense retention and no hybrid manager: ``shared_b`` and
-``shared_c`` hit X; prefix caching off: nothing; the ngram run accepted drafts (vLLM's
-counters); the chunked run's steps fit its budget; the logs show our impl (4/1 heads) and the
-PCP runner on both ranks, and no cp_attention line in the CPU_ATTN run.
+``LOGPROB_TOL``; cached tokens of the runs with CPU_ATTN's cache settings >= CPU_ATTN's on
+every request; the prefix-cache rule of each setting (docs/vllm.md): dense retention and no
+hybrid manager: ``shared_b`` and ``shared_c`` hit X; prefix caching off: nothing; the ngram
+run accepted drafts (vLLM's counters); the chunked run's steps fit its budget; the logs show
+our impl (4/1 heads), the PCP runner on both ranks and each KV cache group's layout, and no
+cp_attention line in the CPU_ATTN run.
 """
 from __future__ import annotations
 
@@ -60,16 +69,17 @@ LOGPROB_TOL = 5e-3
 NAMES = ["short", "long", "shared_a", "shared_b", "shared_c"]
 NO_LONG = [n for n in NAMES if n != "long"]
 HIT = SHARED // BLOCK * BLOCK  # a hit covers whole blocks of X
-PCP2 = ({**CP, "CP_ATTENTION_VLLM_CHECK_TOKENS": "1", **MULTI_WORKER}, ("--pcp", "2"))
+ENV = {**CP, "CP_ATTENTION_VLLM_CHECK_TOKENS": "1", **MULTI_WORKER}
+PCP2, DCP2 = ("--pcp", "2"), ("--pcp", "2", "--dcp", "2")
 DENSE = ("--prefix-caching", "--retention-interval", "none")
 RUNS = {
     "cpu_attn": RunSpec({}, DENSE),
-    "cp_pcp2": RunSpec(PCP2[0], PCP2[1] + DENSE),
-    "cp_pcp2_chunked": RunSpec(PCP2[0], PCP2[1] + ("--max-batched", str(CHUNK))),
-    "cp_pcp2_ngram": RunSpec(PCP2[0], PCP2[1] + DENSE + ("--ngram", "3,4,2")),
-    "cp_pcp2_nohybrid": RunSpec(PCP2[0], PCP2[1] + ("--prefix-caching",
-                                                    "--disable-hybrid-kv-cache-manager",
-                                                    "--prompts", "@prompts_no_long.json")),
+    "cp_pcp2": RunSpec(ENV, PCP2 + DENSE),
+    "cp_pcp2_dcp2_chunked": RunSpec(ENV, DCP2 + ("--max-batched", str(CHUNK))),
+    "cp_pcp2_dcp2_ngram": RunSpec(ENV, DCP2 + DENSE + ("--ngram", "3,4,2")),
+    "cp_pcp2_dcp2_nohybrid": RunSpec(ENV, DCP2 + ("--prefix-caching",
+                                                  "--disable-hybrid-kv-cache-manager",
+                                                  "--prompts", "@prompts_no_long.json")),
 }
 PROMPTS_OF = {name: NO_LONG if "nohybrid" in name else NAMES for name in RUNS}
 OURS = [name for name in RUNS if name != "cpu_attn"]
@@ -103,7 +113,8 @@ def runs(tmp_path_factory) -> Runs:
             shared = _common_prefix(prompts[a], prompts[b])
             both = "shared" in a and "shared" in b
             assert SHARED <= shared < HIT + BLOCK if both else shared < BLOCK, (a, b, shared)
-    for name, file in (("cpu_attn", "prompts.json"), ("cp_pcp2_nohybrid", "prompts_no_long.json")):
+    for name, file in (("cpu_attn", "prompts.json"),
+                       ("cp_pcp2_dcp2_nohybrid", "prompts_no_long.json")):
         (root / file).write_text(json.dumps([prompts[n] for n in PROMPTS_OF[name]]))
     common = ["--block-size", str(BLOCK), "--max-num-seqs", "1", "--max-batched", str(LONG),
               "--max-model-len", str(LONG + 64), "--max-tokens", str(MAX_TOKENS),
@@ -140,16 +151,16 @@ def test_fp32_tokens_identical(runs, name):
 @pytest.mark.parametrize("name, expected", [
     ("cpu_attn", {"shared_b": HIT, "shared_c": HIT}),  # dense retention
     ("cp_pcp2", {"shared_b": HIT, "shared_c": HIT}),
-    ("cp_pcp2_chunked", {}),  # prefix caching off
-    ("cp_pcp2_ngram", {"shared_b": HIT, "shared_c": HIT}),
-    ("cp_pcp2_nohybrid", {"shared_b": HIT, "shared_c": HIT}),  # every layer as full attention
+    ("cp_pcp2_dcp2_chunked", {}),  # prefix caching off
+    ("cp_pcp2_dcp2_ngram", {"shared_b": HIT, "shared_c": HIT}),
+    ("cp_pcp2_dcp2_nohybrid", {"shared_b": HIT, "shared_c": HIT}),  # all as full attention
 ])
 def test_prefix_cache_hits(runs, name, expected):
     """Only the shared_* prompts after the first hit; how many, by the rule of each setting
     (docs/vllm.md); ours at least CPU_ATTN's on the same requests and setting."""
     cached = _by_name(runs, name, "num_cached_tokens")
     assert cached == {**dict.fromkeys(PROMPTS_OF[name], 0), **expected}, cached
-    if name == "cp_pcp2":
+    if name in ("cp_pcp2", "cp_pcp2_dcp2_ngram"):  # CPU_ATTN's cache settings
         ref = _by_name(runs, "cpu_attn", "num_cached_tokens")
         assert all(cached[n] >= ref[n] for n in NAMES), (cached, ref)
 
@@ -157,15 +168,15 @@ def test_prefix_cache_hits(runs, name, expected):
 def test_ngram_drafts_accepted(runs):
     """vLLM's own counters: speculation ran and some drafts were accepted (the tokens equal
     CPU_ATTN's without speculation: test_fp32_tokens_identical)."""
-    spec = runs.get("cp_pcp2_ngram")["spec"]
+    spec = runs.get("cp_pcp2_dcp2_ngram")["spec"]
     accepted, drafted = (spec[f"vllm:spec_decode_num_{k}_tokens"] for k in ("accepted", "draft"))
-    print(f"cp_pcp2_ngram: {accepted:.0f} of {drafted:.0f} draft tokens accepted")
+    print(f"cp_pcp2_dcp2_ngram: {accepted:.0f} of {drafted:.0f} draft tokens accepted")
     assert drafted > 0 and accepted > 0, spec
 
 
 def test_chunked_prefill_steps_fit_the_budget(runs):
     steps = [int(n) for n in re.findall(r"cp_attention hidden restore: step \d+, \d+ wanted "
-                                        r"rows of (\d+) tokens", runs.log("cp_pcp2_chunked"))]
+                                        r"rows of (\d+) tokens", runs.log("cp_pcp2_dcp2_chunked"))]
     assert steps and max(steps) <= CHUNK and len(steps) >= LONG // CHUNK
 
 
@@ -178,7 +189,17 @@ def test_plugin_ran(runs, name):
     windows = re.findall(r"cp_attention metadata builder: .* sliding windows (\[.*?\])", log)
     # hybrid manager: a group per window (512 or none); without it one group with both
     assert set(windows) == ({"[512, None]"} if "nohybrid" in name else {"[512]", "[None]"})
-    cache = "window" if name == "cp_pcp2_chunked" else "all"  # prefix caching off / on
+    cache = "window" if "chunked" in name else "all"  # prefix caching off / on
     assert re.search(rf"cp_attention metadata builder: CPConfig\(.*window_cache='{cache}'", log)
+    groups = set(re.findall(r"cp_attention KV cache group \d+: \d+ (\S+) (?:\(512\) )?layers, "
+                            r"([^;]+);", log))
+    full, window = "full-attention", "sliding-window"
+    if "dcp2" not in name:  # pcp=2 alone: every rank keeps every group whole
+        assert groups == {(full, "whole on every rank"), (window, "whole on every rank")}
+    elif "nohybrid" in name:  # one group, every token kept: sharded like global layers
+        assert groups == {(full, "sharded over 2 DCP ranks")}
+    else:  # global layers sharded, window layers whole on each rank
+        assert groups == {(full, "sharded over 2 DCP ranks"),
+                          (window, "whole on every rank (replicated over DCP)")}
     assert "PCPTokenMismatch" not in log
     assert not re.search(r"cp_attention (impl|PCP|metadata)", runs.log("cpu_attn"))

@@ -284,6 +284,27 @@ def test_plugin_refuses_unsupported_pcp_combinations(tmp_path, pcp_plugin, kwarg
     assert flag in str(err.value), str(err.value)
 
 
+@pytest.mark.parametrize("pcp, dcp, no_hybrid, replicated", [
+    (2, 2, False, True),  # PCP x DCP with the hybrid KV cache manager: window KV whole per rank
+    (2, 2, True, False),  # hybrid manager off: window layers kept as full attention, sharded
+    (2, 1, False, False),  # no DCP: every rank keeps every layer's KV whole anyway
+    (1, 1, False, False),
+])
+def test_window_kv_replicated_rule(tmp_path, pcp_plugin, pcp, dcp, no_hybrid, replicated):
+    """Which deployments keep sliding-window KV whole on every DCP rank, and the CPConfig those
+    layers' builders and impls then share: vLLM's (pcp, 1) mapping (no KV group, no merge)."""
+    from cp_attention.integrations.vllm.adapter import engine_cp_config, window_kv_replicated
+
+    config = _engine_config(make_tiny_llama_dir(tmp_path), prefill_context_parallel_size=pcp,
+                            decode_context_parallel_size=dcp,
+                            disable_hybrid_kv_cache_manager=no_hybrid)
+    assert window_kv_replicated(config) is replicated
+    whole = engine_cp_config(config, kv_replicated=True)
+    assert (whole.pcp_size, whole.dcp_size, whole.kv_shard, whole.kv_world) == (pcp, 1, "dcp", 1)
+    sharded = engine_cp_config(config)
+    assert sharded.kv_world == dcp and (whole is sharded) == (dcp == 1)
+
+
 def test_plugin_runs_ngram_speculation_under_pcp(tmp_path, pcp_plugin):
     """ngram drafts come from token ids on the host (no draft KV): accepted with pcp = 2 and
     pcp = dcp = 2, with the PCP worker and decode_threshold 1 + speculative tokens."""

@@ -27,23 +27,45 @@ class UnsupportedLayout(NotImplementedError):
     """A vLLM parallel layout cp_attention does not map (yet)."""
 
 
-def engine_cp_config(vllm_config) -> CPConfig:
+def engine_cp_config(vllm_config, kv_replicated: bool = False) -> CPConfig:
     """The engine's CPConfig (``vllm_config``: vLLM ``VllmConfig``-like), the one object the
     config hook checks and every builder and impl of the engine holds: block size
     ``cache_config.block_size``, decode_threshold 1 + speculative tokens (the builder's
     ``reorder_batch_threshold``), window_cache "all" with prefix caching on (a hit may read any
     block of a window layer), else "window" (docs/pcp.md section 9). Cached by its inputs,
     which a worker may still change before it builds layers (``update_block_size_for_backend``:
-    a hybrid model's block size)."""
+    a hybrid model's block size).
+
+    ``kv_replicated``: the CPConfig of a KV cache group every DCP rank keeps whole
+    (:func:`window_kv_replicated`): the layout of vLLM's dcp = 1 with the same pcp and tp."""
     spec = vllm_config.speculative_config
     threshold = 1 + ((spec.num_speculative_tokens or 0) if spec is not None else 0)
     cache = vllm_config.cache_config
     return cp_config_from_vllm(vllm_config.parallel_config, cache.block_size, threshold,
-                               "all" if cache.enable_prefix_caching else "window")
+                               "all" if cache.enable_prefix_caching else "window", kv_replicated)
+
+
+def window_kv_replicated(vllm_config) -> bool:
+    """True if this engine keeps its sliding-window layers' KV whole on every DCP rank.
+
+    That is the case under PCP x DCP (vLLM pcp = dcp = P > 1) with the hybrid KV cache manager
+    on: vLLM's ``SlidingWindowSpec`` cannot be DCP-sharded (its pool sizing and its prefix-cache
+    lookup assert dcp = 1, ``vllm/v1/kv_cache_interface.py:889``,
+    ``vllm/v1/core/single_type_kv_cache_manager.py:971``), but a group marked
+    ``dcp_sharded=False`` is accepted (``vllm/v1/core/kv_cache_coordinator.py:669-684``) and
+    holds only the window, about ``window + batch budget`` tokens per request, on each rank.
+    With the hybrid manager off vLLM treats window layers as full attention (every token kept),
+    so they stay sharded like the global layers and the window is applied in global
+    positions. Why replicate rather than shard: docs/vllm.md "DCP for sliding-window layers".
+    """
+    pc = vllm_config.parallel_config
+    pcp, dcp = pc.prefill_context_parallel_size, pc.decode_context_parallel_size
+    return (pcp > 1 and dcp == pcp
+            and not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager)
 
 
 def cp_config_from_vllm(parallel_config, block_size: int, decode_threshold: int = 1,
-                        window_cache: str = "all") -> CPConfig:
+                        window_cache: str = "all", kv_replicated: bool = False) -> CPConfig:
     """CPConfig of a vLLM deployment (``parallel_config``: vLLM ``ParallelConfig``-like), one
     object per distinct sizes.
 
@@ -64,10 +86,14 @@ def cp_config_from_vllm(parallel_config, block_size: int, decode_threshold: int 
     (P, P*T), T > 1         refused (:class:`UnsupportedLayout`); vLLM's GQA rules
                             (``dcp <= tp // kv_heads``) reject it for GQA models anyway
     ======================  ===============================================================
+
+    ``kv_replicated``: a KV cache group vLLM does not shard over its DCP group
+    (``KVCacheSpec.dcp_sharded`` False): the mapping of (pcp, 1).
     """
     pc = parallel_config
+    dcp = 1 if kv_replicated else pc.decode_context_parallel_size
     return _config_of_sizes(*map(int, (pc.prefill_context_parallel_size,
-                                       pc.decode_context_parallel_size, pc.tensor_parallel_size,
+                                       dcp, pc.tensor_parallel_size,
                                        pc.cp_kv_cache_interleave_size, block_size,
                                        decode_threshold)), window_cache)
 

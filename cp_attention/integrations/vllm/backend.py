@@ -37,7 +37,7 @@ from cp_attention.config import CPConfig, CPRanks
 from cp_attention.integrations.vllm import LOGGER_NAME
 from cp_attention.integrations.vllm.adapter import (check_slot_mapping, engine_cp_config,
                                                     expected_vllm_dcp_rank, row_order,
-                                                    step_from_vllm)
+                                                    step_from_vllm, window_kv_replicated)
 from cp_attention.integrations.vllm.shm import impl_communicator
 from cp_attention.metadata.builder import AttentionMetadata
 from cp_attention.metadata.common import StepSpec
@@ -58,7 +58,8 @@ def vllm_ranks(config: CPConfig) -> CPRanks:
     dcp_rank = tp_rank % config.dcp_size
     vllm_dcp = get_dcp_group()
     expected = expected_vllm_dcp_rank(config, pcp_rank, tp_rank)
-    if vllm_dcp.world_size > 1 and vllm_dcp.rank_in_group != expected:
+    # a KV kept whole on every rank (kv_world 1) has no DCP rank of its own to check
+    if vllm_dcp.world_size > 1 and config.kv_world > 1 and vllm_dcp.rank_in_group != expected:
         raise RuntimeError(f"vLLM DCP rank {vllm_dcp.rank_in_group} (pcp rank {pcp_rank}, tp rank "
                            f"{tp_rank}) is not the {expected} cp_attention's mapping expects: "
                            "unexpected group layout")
@@ -173,7 +174,18 @@ class CPVllmMetadataBuilder(AttentionMetadataBuilder[CPVllmMetadata]):
     def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config: VllmConfig,
                  device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.config = engine_cp_config(vllm_config)  # the impls' object too
+        windows = layer_windows(vllm_config, layer_names, kv_cache_spec)
+        # a group vLLM keeps whole on every DCP rank: our get_kv_cache_spec marks the window
+        # layers' so (window_kv_replicated); their impls chose the same config by that rule
+        replicated = (not kv_cache_spec.dcp_sharded
+                      and vllm_config.parallel_config.decode_context_parallel_size > 1)
+        if replicated != (window_kv_replicated(vllm_config) and None not in windows):
+            raise RuntimeError(
+                f"KV cache group of layers {layer_names[:3]}... (sliding windows {windows}) is "
+                f"{'replicated on' if replicated else 'sharded over'} the DCP ranks, but its "
+                "layers' impls expect otherwise (window_kv_replicated): were the KV cache specs "
+                "made by cp_attention's PCP model runner?")
+        self.config = engine_cp_config(vllm_config, replicated)  # the impls' object too
         if kv_cache_spec.block_size != self.config.block_size:
             raise RuntimeError(f"vLLM's kernel block size {kv_cache_spec.block_size} != its "
                                f"--block-size {self.config.block_size}: cp_attention needs one")
@@ -183,13 +195,14 @@ class CPVllmMetadataBuilder(AttentionMetadataBuilder[CPVllmMetadata]):
                                         if envs.CP_ATTENTION_VLLM_REORDER else None)
         ranks = vllm_ranks(self.config)
         self.inners = {window: CPAttentionBackend.get_builder_cls()(
-            self.config, ranks, sliding_window=window)
-            for window in layer_windows(vllm_config, layer_names, kv_cache_spec)}
+            self.config, ranks, sliding_window=window) for window in windows}
         self.inner = next(iter(self.inners.values()))
         self._reorder_seen = False
         self.kv_stats = KVShardStats()
-        log.info("cp_attention metadata builder: %s, ranks %s, layers %d, sliding windows %s",
-                 self.config, self.inner.ranks, len(layer_names), list(self.inners))
+        log.info("cp_attention metadata builder: %s, ranks %s, layers %d, sliding windows %s, "
+                 "KV %s", self.config, self.inner.ranks, len(layer_names), list(self.inners),
+                 "replicated on every DCP rank" if replicated else
+                 f"sharded over {self.config.kv_world} rank(s)")
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> CPVllmMetadata:
@@ -247,7 +260,9 @@ class CPVllmImpl(AttentionImpl[CPVllmMetadata]):
         self._kv_cache: torch.Tensor | None = None  # the layer's cache and its view, made once
         self._kv_view: torch.Tensor | None = None
         vllm_config = get_current_vllm_config()
-        self.config = engine_cp_config(vllm_config)  # the builder's object too
+        # the builder's object too (it checks the window rule against its KV cache group)
+        self.config = engine_cp_config(vllm_config, sliding_window is not None
+                                       and window_kv_replicated(vllm_config))
         extra_kwargs = {}
         if self.config.uses_cp:
             extra_kwargs = {"groups": vllm_groups(self.config), "dcp_comm_backend":

@@ -30,18 +30,20 @@ tokens they sampled (all-gather of Python objects over the PCP group) and raise
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 from vllm.distributed.parallel_state import get_pcp_group
 from vllm.forward_context import get_forward_context
+from vllm.v1.kv_cache_interface import AttentionSpec, SlidingWindowSpec
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
 from cp_attention import envs
 from cp_attention.integrations.vllm import LOGGER_NAME
 from cp_attention.integrations.vllm.adapter import (local_input_rows, pack_held_rows,
-                                                    pick_held_rows, rows_holding)
+                                                    pick_held_rows, rows_holding,
+                                                    window_kv_replicated)
 from cp_attention.integrations.vllm.backend import CPVllmMetadata
 from cp_attention.integrations.vllm.logits import split_lm_head
 from cp_attention.integrations.vllm.shm import pcp_communicator
@@ -92,6 +94,45 @@ class PCPCPUModelRunner(CPUModelRunner):
         group = self.pcp_group
         split_lm_head(self.model, group.rank_in_group, group.world_size,
                       lambda part: self.pcp_comm.all_gather(part, group.cpu_group, dim=1))
+
+    def get_kv_cache_spec(self):
+        """vLLM's specs, with the sliding-window layers' KV kept whole on every DCP rank
+        (``dcp_sharded=False``) when :func:`~.adapter.window_kv_replicated` says so."""
+        specs = super().get_kv_cache_spec()
+        if not window_kv_replicated(self.vllm_config):
+            return specs
+        return {name: replace(spec, dcp_sharded=False) if isinstance(spec, SlidingWindowSpec)
+                else spec for name, spec in specs.items()}
+
+    def initialize_kv_cache(self, kv_cache_config, *args, **kwargs) -> None:
+        """vLLM's, then the block tables of groups kept whole on every DCP rank compute their
+        slot mapping as at dcp = 1: vLLM 0.32's V1 ``BlockTable`` shards every group's slots
+        by its DCP world (``vllm/v1/worker/block_table.py:176``; its V2 runner passes each
+        group's ``dcp_sharded`` instead). The builder checks every step's slots against ours."""
+        super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
+        tables = self.input_batch.block_table.block_tables
+        for index, group in enumerate(kv_cache_config.kv_cache_groups):
+            spec = group.kv_cache_spec
+            if not spec.dcp_sharded:
+                tables[index].dcp_world_size, tables[index].dcp_rank = 1, 0
+            self._log_kv_group(index, group, kv_cache_config.num_blocks)
+
+    def _log_kv_group(self, index: int, group, num_blocks: int) -> None:
+        """One line per KV cache group: its layers' kind and the KV bytes this rank holds."""
+        spec = group.kv_cache_spec
+        if not isinstance(spec, AttentionSpec):
+            return
+        dcp = self.vllm_config.parallel_config.decode_context_parallel_size
+        shards = dcp if spec.dcp_sharded else 1
+        window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
+        log.info("cp_attention KV cache group %d: %d %s layers, %s; %d bytes per token per "
+                 "layer of a request's context on this rank (page %d bytes per %d-token block, "
+                 "%d blocks)", index, len(group.layer_names),
+                 f"sliding-window ({window})" if window else "full-attention",
+                 f"sharded over {shards} DCP ranks" if shards > 1 else
+                 "whole on every rank" + (" (replicated over DCP)" if dcp > 1 else ""),
+                 spec.page_size_bytes // spec.block_size // shards, spec.page_size_bytes,
+                 spec.block_size, num_blocks)
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         """vLLM's, keeping ``logits_indices`` of a step with speculative decoding: the
