@@ -39,8 +39,9 @@ class RunSpec:
 class Runs:
     """Runs each configuration once (lazily) and keeps its parsed result(s) and log.
 
-    A run with ``--dtype float32,bfloat16`` prints one result per dtype; ``get(name, dtype)``
-    picks one (without ``dtype``: the first, the run's main dtype).
+    A run with ``--dtype float32,bfloat16`` prints one result per dtype (``--num-gpu-blocks
+    none,N``: per block budget too); ``get(name, label)`` picks one by its label, the dtype or
+    ``"DTYPE/N blocks"`` (without ``label``: the first, the run's main dtype).
     """
 
     def __init__(self, models: dict[str, Path], workdir: Path, specs: dict[str, RunSpec],
@@ -51,10 +52,10 @@ class Runs:
         self.logs: dict[str, str] = {}
         self.returncodes: dict[str, int] = {}
 
-    def get(self, name: str, dtype: str | None = None) -> dict:
+    def get(self, name: str, label: str | None = None) -> dict:
         if name not in self.logs:
             self._run(name)
-        return self.results[name][dtype]
+        return self.results[name][label]
 
     def log(self, name: str) -> str:
         if name not in self.logs:
@@ -91,9 +92,9 @@ class Runs:
         parsed = [json.loads(ln[len(RESULT_PREFIX):]) for ln in lines]
         wall = round(time.time() - start, 1)
         print(f"\n[vllm e2e] {name}: wall {wall} s (" + ", ".join(
-            f"{r['dtype']}: init {r['init_s']} s, generate {r['generate_s']} s" for r in parsed)
+            f"{r['label']}: init {r['init_s']} s, generate {r['generate_s']} s" for r in parsed)
             + ")")
-        self.results[name] = {None: parsed[0], **{r["dtype"]: r for r in parsed}}
+        self.results[name] = {None: parsed[0], **{r["label"]: r for r in parsed}}
 
 
 def pcp_exchange_logged(log: str, nodes: int = 1) -> bool:

@@ -55,6 +55,11 @@ def main() -> None:
     p.add_argument("--master-addr", default="127.0.0.1")
     p.add_argument("--master-port", type=int, default=None)
     p.add_argument("--ngram", default=None, help="K,MAX,MIN: ngram speculative decoding")
+    p.add_argument("--num-gpu-blocks", default=None,
+                   help="KV cache blocks (num_gpu_blocks_override), a comma list with 'none' "
+                        "for vLLM's own: one engine each, after each other (per dtype); a "
+                        "result with a block count is labelled 'DTYPE/N blocks' and carries "
+                        "vLLM's preemption count")
     p.add_argument("--prompts", required=True,
                    help="JSON list of token-id lists, or @FILE holding it (long prompts)")
     a = p.parse_args()
@@ -84,6 +89,10 @@ def main() -> None:
         kwargs["disable_hybrid_kv_cache_manager"] = True
     if a.ttft:
         kwargs["disable_log_stats"] = False
+    blocks_list = [None if b == "none" else int(b)
+                   for b in (a.num_gpu_blocks or "none").split(",")]
+    if a.num_gpu_blocks is not None:
+        kwargs["disable_log_stats"] = False  # vLLM's counters (preemptions) need the stats
     if a.dcp_comm_backend is not None:
         kwargs["dcp_comm_backend"] = a.dcp_comm_backend
     if a.tp * a.pcp > 1:
@@ -99,27 +108,37 @@ def main() -> None:
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False,
                              logprobs=a.logprobs, prompt_logprobs=a.prompt_logprobs)
               for n in max_tokens]
-    dtypes = a.dtype.split(",")
-    for i, dtype in enumerate(dtypes):
+    engines = [(dtype, blocks) for dtype in a.dtype.split(",") for blocks in blocks_list]
+    for i, (dtype, blocks) in enumerate(engines):
         if i:  # shut the previous engine (and its workers) down, reset vLLM's distributed state
             llm.llm_engine.engine_core.shutdown()
             llm = None
             cleanup_dist_env_and_memory()
         t0 = time.time()
-        llm = LLM(**kwargs, dtype=dtype)
+        llm = LLM(**kwargs, dtype=dtype, num_gpu_blocks_override=blocks)
         t1 = time.time()
+        preempted_before = _counter(llm, "vllm:num_preemptions")  # the registry is per process
         if a.sequential:
             outputs = [out for prompt, param in zip(prompts, params)
                        for out in llm.generate([prompt], [param], use_tqdm=False)]
         else:
             outputs = llm.generate(prompts, params, use_tqdm=False)
         t2 = time.time()
-        result = {"dtype": dtype, "init_s": round(t1 - t0, 2), "generate_s": round(t2 - t1, 2),
+        result = {"dtype": dtype, "label": dtype if blocks is None else f"{dtype}/{blocks} blocks",
+                  "init_s": round(t1 - t0, 2), "generate_s": round(t2 - t1, 2),
                   "requests": [_request(out, a.logprobs, a.ttft) for out in outputs]}
-        if a.ngram is not None:
-            result["spec"] = {m.name: m.value for m in llm.get_metrics()
-                              if m.name.startswith("vllm:spec_decode_") and hasattr(m, "value")}
+        if a.ngram is not None or a.num_gpu_blocks is not None:
+            metrics = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
+            result["spec"] = {k: v for k, v in metrics.items()
+                              if k.startswith("vllm:spec_decode_")}
+            result["num_preemptions"] = (_counter(llm, "vllm:num_preemptions")
+                                         - preempted_before)
         print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+def _counter(llm, name: str) -> float:
+    """vLLM's counter ``name`` (0 if it has none yet: stats off, or nothing counted)."""
+    return sum(m.value for m in llm.get_metrics() if m.name == name and hasattr(m, "value"))
 
 
 def _request(out, logprobs: int, ttft: bool = False) -> dict:
