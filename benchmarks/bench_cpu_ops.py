@@ -62,6 +62,7 @@ class Case:
     kv_heads: int
     head_size: int
     dtype: str
+    window: int | None = None  # sliding window (a query sees its last ``window`` keys)
 
 
 CASES = [
@@ -152,9 +153,9 @@ class Problem:
         layer of a model step (its build time is reported apart)."""
         c = self.case
         cfg = CPConfig(block_size=BLOCK_SIZE)
-        builder = CPAttentionBackend.get_builder_cls()(cfg, CPRanks(), None, num_blocks)
+        builder = CPAttentionBackend.get_builder_cls()(cfg, CPRanks(), c.window, num_blocks)
         impl = CPAttentionBackend.get_impl_cls(cfg)(c.q_heads, c.head_size, self.scale,
-                                                    c.kv_heads)
+                                                    c.kv_heads, sliding_window=c.window)
         step = StepSpec((c.context - 1,) * c.batch, (1,) * c.batch, self.block_table)
         self.build_ms = min(_timed(lambda: builder.build(step)) for _ in range(5)) * 1e3
         meta = builder.build(step)
@@ -176,33 +177,44 @@ class Problem:
         meta = vllm_ops.cpu_attn_get_scheduler_metadata(
             num_reqs=c.batch, num_heads=c.q_heads, num_kv_heads=c.kv_heads,
             head_dim=c.head_size, seq_lens=self.seq_lens, dtype=dtype,
-            query_start_loc=self.cu_q, causal=causal, sliding_window_size=-1, isa=isa,
+            query_start_loc=self.cu_q, causal=causal,
+            sliding_window_size=-1 if c.window is None else c.window, isa=isa,
             enable_kv_split=True)
         return {"cache": cache, "key_cache": key_cache, "value_cache": value_cache,
                 "meta": meta, "causal": causal,
                 "out": torch.empty(self.q.shape, dtype=dtype)}
 
     # -- the implementations ---------------------------------------------------------------
+    def _decode_range(self) -> dict:
+        """A window's visible keys of each decode row: [n - window, n) (else all)."""
+        w, n = self.case.window, self.case.context
+        if w is None:
+            return {}
+        start = torch.full((self.case.batch,), max(0, n - w), dtype=torch.int32)
+        return {"kv_start": start, "kv_end": self.seq_lens}
+
     def ours(self) -> torch.Tensor:
         if self.case.kind == "decode":
             return self.ops.paged_attention(self.q, self.key_cache, self.value_cache,
                                             self.block_table, self.cu_q, self.seq_lens,
-                                            scale=self.scale)[0]
+                                            scale=self.scale, **self._decode_range())[0]
         return self.ops.varlen_attention(self.q, self.k, self.v, self.cu_q, self.cu_k,
-                                         scale=self.scale, causal=True)[0]
+                                         scale=self.scale, causal=True,
+                                         window=self.case.window)[0]
 
     def ours_own_layout(self) -> torch.Tensor:
         """Decode on the ``[2, blocks, block_size, Hkv, D]`` cache."""
         return self.ops.paged_attention(self.q, self.own_key_cache, self.own_value_cache,
                                         self.block_table, self.cu_q, self.seq_lens,
-                                        scale=self.scale)[0]
+                                        scale=self.scale, **self._decode_range())[0]
 
     def vllm_kernel(self) -> torch.Tensor:
         m = self.vllm
         vllm_ops.cpu_attention_with_kv_cache(
             query=self.q, key_cache=m["key_cache"], value_cache=m["value_cache"],
             output=m["out"], query_start_loc=self.cu_q, seq_lens=self.seq_lens,
-            scale=self.scale, causal=m["causal"], alibi_slopes=None, sliding_window=-1,
+            scale=self.scale, causal=m["causal"], alibi_slopes=None,
+            sliding_window=-1 if self.case.window is None else self.case.window,
             block_table=self.block_table, softcap=0.0, scheduler_metadata=m["meta"],
             s_aux=None)
         return m["out"]
@@ -213,13 +225,21 @@ class Problem:
         q = self.q.view(c.batch, self.q_len, c.q_heads, c.head_size).transpose(1, 2)
         k = self.k.view(c.batch, c.context, c.kv_heads, c.head_size).transpose(1, 2)
         v = self.v.view(c.batch, c.context, c.kv_heads, c.head_size).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=c.kind == "prefill",
+        mask = None
+        if c.window is not None and c.kind == "decode":  # the window's keys only
+            k, v = k[:, :, -c.window:], v[:, :, -c.window:]
+        elif c.window is not None:  # causal band: keys (p - window, p]
+            pos = torch.arange(c.context)
+            mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - c.window)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                             is_causal=c.kind == "prefill" and mask is None,
                                              scale=self.scale, enable_gqa=True)
         return out.transpose(1, 2).reshape(self.q.shape)
 
     def kv_bytes(self) -> int:
-        """Bytes of K and V a decode reads once."""
-        return 2 * self.k.numel() * self.k.element_size()
+        """Bytes of K and V a decode reads once (a window's keys only)."""
+        visible = min(self.case.context, self.case.window or self.case.context)
+        return 2 * self.k.numel() * self.k.element_size() * visible // self.case.context
 
     def flops_per_kv_byte(self) -> float:
         """A decode's arithmetic intensity: per cached token and KV head, QK and PV cost
@@ -359,11 +379,14 @@ MAX_DECODE_REPEATS = 200
 
 
 def measure_matrix_row(case: Case, sequential: bool, repeats: int, with_vllm: bool,
-                       roof: tuple[float, float], peaks: dict[str, float]) -> dict:
+                       roof: tuple[float, float], peaks: dict[str, float],
+                       flush: torch.Tensor | None = None) -> dict:
     """One matrix row: vLLM's kernel, ours (decode: on both cache layouts), SDPA; min of
     interleaved repeats (decode: at least ``repeats``, more for short calls, up to
     MAX_DECODE_REPEATS, so a 50 µs call is not judged on 3 cold samples); ours as a fraction
-    of its roofline; the row's lower bound on this CPU (:func:`bound_ms`)."""
+    of its roofline; the row's lower bound on this CPU (:func:`bound_ms`). ``flush``: a buffer
+    larger than the last-level cache, read before every timed call (caches flushed, as for a
+    layer's K/V in a model step)."""
     problem = Problem(case, with_vllm, sequential=sequential)
     impls = {"ours": problem.ours, "sdpa": problem.sdpa}
     if case.kind == "decode":
@@ -378,8 +401,11 @@ def measure_matrix_row(case: Case, sequential: bool, repeats: int, with_vllm: bo
     for rep in range(repeats):
         for name, fn in impls.items():
             if name != "sdpa" or case.kind == "prefill" or rep == 0:  # decode SDPA: one call
+                if flush is not None:
+                    flush.sum()
                 samples[name].append(_timed(fn))
     row = {**asdict(case), "sequential_blocks": sequential, "repeats": repeats,
+           "caches_flushed": flush is not None,
            **{f"{name}_ms": min(s) * 1e3 for name, s in samples.items()},
            "max_abs_diff": diff}
     bandwidth, gflops = roof
@@ -491,8 +517,11 @@ def row_flops(row: dict) -> float:
     """The arithmetic of a matrix row: QK and PV, 2 flops per multiply-add (decode: one query
     token per request over its context; prefill: the causal lower triangle)."""
     per_key = 4.0 * row["batch"] * row["q_heads"] * row["head_size"]
-    n = row["context"]
-    return per_key * (n if row["kind"] == "decode" else n * (n + 1) / 2)
+    n, w = row["context"], row.get("window") or row["context"]
+    if row["kind"] == "decode":
+        return per_key * min(n, w)
+    full = min(n, w)  # queries 0..w-1 see p + 1 keys, the rest w
+    return per_key * (full * (full + 1) / 2 + (n - full) * w)
 
 
 def row_bytes(row: dict) -> int:
@@ -501,7 +530,10 @@ def row_bytes(row: dict) -> int:
     elem = 4 if row["dtype"] == "float32" else 2
     per_token = (2 * row["kv_heads"] if row["kind"] == "decode"
                  else 2 * (row["q_heads"] + row["kv_heads"])) * row["head_size"]
-    return row["batch"] * row["context"] * per_token * elem
+    tokens = row["context"]
+    if row["kind"] == "decode" and row.get("window"):
+        tokens = min(tokens, row["window"])
+    return row["batch"] * tokens * per_token * elem
 
 
 def bound_ms(row: dict, peaks: dict[str, float]) -> float:
@@ -587,6 +619,95 @@ def matrix_markdown(payload: dict) -> str:
     return "\n".join(lines)
 
 
+# -- long-context model shapes (issue 36): head size 256, 4/1 heads, window 512 or none -------
+MODEL_SHAPES_NAME = "bench_cpu_model_shapes"
+FLUSH_MIB = 256  # read before every timed call: more than any last-level cache here
+
+
+def model_shape_cases(quick: bool) -> list[Case]:
+    """Gemma 3 270M's attention (4 query / 1 KV head of 256; window 512 on 15 of 18 layers):
+    decode and causal prefill, fp32 and bf16, with and without the window."""
+    if quick:
+        return [Case(f"decode B=1 ctx 1k 4/1 D=256 w={w} float32", "decode", 1, 1024, 4, 1,
+                     256, "float32", w) for w in (None, 512)]
+    cases = []
+    for dt in ("float32", "bfloat16"):
+        for w in (None, 512):
+            for b, ctx in ((1, 8192), (4, 8192), (1, 32768), (4, 32768)):
+                cases.append(Case(f"decode B={b} ctx {ctx // 1024}k 4/1 D=256 w={w} {dt}",
+                                  "decode", b, ctx, 4, 1, 256, dt, w))
+            for n in (2048, 8192):
+                cases.append(Case(f"prefill S={n // 1024}k 4/1 D=256 w={w} {dt}", "prefill",
+                                  1, n, 4, 1, 256, dt, w))
+    return cases
+
+
+def run_model_shapes(out_dir: str | Path, quick: bool = False, threads: int = 1) -> dict:
+    """:func:`model_shape_cases` measured as matrix rows (random block order) with caches
+    flushed; writes ``bench_cpu_model_shapes.json`` and a bar chart of ours/vLLM."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    with_vllm = vllm_ops is not None
+    start, rows = time.perf_counter(), []
+    flush = torch.ones((4 if quick else FLUSH_MIB) << 18)
+    try:
+        roof = (memory_bandwidth_gbs(64 if quick else 1024), matmul_gflops(256 if quick else 1024))
+        peaks = cpu_limits.peak_gflops()
+        for case in model_shape_cases(quick):
+            repeats = 2 if quick else (5 if case.kind == "decode" else 2)
+            rows.append(measure_matrix_row(case, False, repeats, with_vllm, roof, peaks, flush))
+            gc.collect()
+            print(f"{case.label}: " + ", ".join(
+                f"{k[:-3]} {rows[-1][k]:.2f}" for k in rows[-1] if k.endswith("_ms")), flush=True)
+    finally:
+        torch.set_num_threads(saved)
+    payload = {
+        "what": "as bench_cpu_matrix (ms per call, min over interleaved repeats; decode ours = "
+                "the worse of our two cache layouts), with every cache flushed before each "
+                f"timed call (a {FLUSH_MIB} MiB read); window w: a query sees its last w keys "
+                "(decode: ours by kv_start/kv_end, vLLM by sliding_window=w, SDPA on the "
+                "window's keys; prefill: ours varlen window=w, SDPA a band mask)",
+        "cpu": cpu_model(), "threads": threads, "block_size": BLOCK_SIZE,
+        "ops": get_ops("cpu").name, "vllm_available": with_vllm,
+        "memory_read_bandwidth_gbs": roof[0], "matmul_gflops": roof[1], "peak_gflops": peaks,
+        "run_s": time.perf_counter() - start, "rows": rows,
+    }
+    write_json(out_dir, MODEL_SHAPES_NAME, payload)
+    _plot_model_shapes(payload, out_dir)
+    return payload
+
+
+def _plot_model_shapes(payload: dict, out_dir: str | Path) -> None:
+    rows = payload["rows"]
+    key = "ours_over_vllm" if payload["vllm_available"] else "ours_over_sdpa"
+    fig, (ax,) = new_figure(width=11, height=4.8)
+    ax.bar(range(len(rows)), [r[key] for r in rows],
+           color=["C0" if r.get(key, 0) <= 1.0 else "C3" for r in rows])
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels([r["label"].replace(" 4/1 D=256", "") for r in rows], rotation=70,
+                       fontsize=6, ha="right")
+    ax.set_ylabel(key.replace("_", " "))
+    ax.set_title(f"Gemma 3 attention shapes (4/1 heads of 256), caches flushed, "
+                 f"{payload['threads']} thread; {payload['cpu']}", fontsize=9)
+    ax.grid(alpha=0.3, axis="y")
+    save_figure(fig, out_dir, MODEL_SHAPES_NAME)
+
+
+def model_shapes_markdown(payload: dict) -> str:
+    """The table of :func:`run_model_shapes`: times, ratios, and how many rows meet 1.0x."""
+    lines = ["| row | ours ms | vLLM ms | SDPA ms | ours / vLLM | bound ms | max abs diff |",
+             "|---|---|---|---|---|---|---|"]
+    for r in payload["rows"]:
+        lines.append(f"| {r['label']} | {r['ours_ms']:.3f} | {r.get('vllm_ms', float('nan')):.3f} "
+                     f"| {r['sdpa_ms']:.3f} | {r.get('ours_over_vllm', float('nan')):.2f} | "
+                     f"{r['bound_ms']:.3f} | {r['max_abs_diff']:.1e} |")
+    met = [r for r in payload["rows"] if r.get("ours_over_vllm", 9) <= 1.0]
+    lines.append(f"\n{len(met)} of {len(payload['rows'])} rows at or under 1.0x vLLM's time "
+                 f"({payload['cpu']}, {payload['threads']} thread, caches flushed).")
+    return "\n".join(lines)
+
+
 def _matrix_args(parser) -> None:
     parser.add_argument("--matrix", action="store_true",
                         help="the shape matrix (docs/performance.md section 12)")
@@ -596,10 +717,16 @@ def _matrix_args(parser) -> None:
                         help="matrix: skip prefill rows above this many TFLOP")
     parser.add_argument("--time-budget-s", type=float, default=None,
                         help="matrix: list the rows left after this many seconds as skipped")
+    parser.add_argument("--model-shapes", action="store_true",
+                        help="Gemma 3's attention shapes, caches flushed (issue 36)")
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(__doc__, argv, _matrix_args)
+    if args.model_shapes:
+        payload = run_model_shapes(args.out, args.quick)
+        print(model_shapes_markdown(payload))
+        return
     if args.matrix:
         payload = run_matrix(args.out, args.quick, max_kv_gib=args.max_kv_gib,
                              max_prefill_tflop=args.max_prefill_tflop,

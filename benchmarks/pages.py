@@ -77,6 +77,10 @@ PAGES = (
          13,
          ("bench_pcp_kv_memory.json",),
          "python -m benchmarks.bench_pcp_kv_memory --out results/"),
+    Page("bench_cpu_model_shapes", "CPU ops on Gemma 3's attention shapes (D=256, 4/1 heads, "
+         "window 512 or none), caches flushed", 16, ("bench_cpu_model_shapes.json",),
+         "PYTHONPATH=. <vLLM venv>/bin/python -m benchmarks.bench_cpu_ops --model-shapes "
+         "--out results/"),
     Page("bench_vllm_load", "vLLM's OpenAI server under a concurrent load", 15,
          ("bench_vllm_load.json",),
          "python -m benchmarks.bench_vllm_load --out results/  # the vLLM venv"),
@@ -202,6 +206,10 @@ def _repo_relative(arg: str) -> str:
 
 def _extra_markdown(page: Page, payload: dict) -> str:
     """Tables a benchmark prints itself (the same function its command line uses)."""
+    if page.name == "bench_cpu_model_shapes":
+        from benchmarks.bench_cpu_ops import model_shapes_markdown
+        return "### Summary (`bench_cpu_ops.model_shapes_markdown`)\n\n" + \
+            model_shapes_markdown(payload)
     if page.name == "bench_cpu_matrix":
         from benchmarks.bench_cpu_ops import matrix_markdown
         return "### Summary (`bench_cpu_ops.matrix_markdown`)\n\n" + matrix_markdown(payload)

@@ -52,6 +52,8 @@ BENCHMARKS = (
     Bench("bench_cpu_ops", "bench_cpu_ops"),
     # bench_cpu_ops --matrix, with the K/V limit of the committed run (results/bench_cpu_matrix.md)
     Bench("bench_cpu_matrix", "bench_cpu_ops", "run_matrix", {"max_kv_gib": 0.5}),
+    # bench_cpu_ops --model-shapes: Gemma 3's attention shapes, caches flushed
+    Bench("bench_cpu_model_shapes", "bench_cpu_ops", "run_model_shapes"),
     Bench("bench_prefill_kernel", "bench_prefill_kernel"),
     Bench("bench_vllm_ttft", "bench_vllm_ttft", needs_vllm=True),
     Bench("bench_vllm_real", "bench_vllm_real", needs_vllm=True),

@@ -221,6 +221,30 @@ def test_cpu_ops_matrix(out):
     assert "Worst rows" in table and table.count("\n| ") >= 3
 
 
+def test_cpu_model_shapes(out):
+    """Gemma 3's shapes with and without a window: every implementation computes the same
+    windowed attention (ours, vLLM's kernel, SDPA on the window), caches flushed."""
+    bench_cpu_ops.run_model_shapes(out, quick=True)
+    data = _load(out, "bench_cpu_model_shapes")
+    assert [r["window"] for r in data["rows"]] == [None, 512]
+    for r in data["rows"]:
+        assert (r["head_size"], r["q_heads"], r["kv_heads"]) == (256, 4, 1)
+        assert r["caches_flushed"] and r["max_abs_diff"] < 5e-2 and r["ours_ms"] > 0
+    assert "rows at or under 1.0x" in bench_cpu_ops.model_shapes_markdown(data)
+
+
+def test_window_rows_count_only_visible_keys():
+    """A window of w: a decode reads its last w keys; a causal prefill of n tokens covers
+    1 + 2 + ... + w pairs for its first w queries and w for each later one."""
+    decode = {"kind": "decode", "batch": 1, "q_heads": 4, "kv_heads": 1, "head_size": 256,
+              "context": 8192, "dtype": "float32", "window": 512}
+    prefill = {**decode, "kind": "prefill", "context": 10, "window": 4}
+    assert bench_cpu_ops.row_flops(decode) == 4 * 4 * 256 * 512
+    assert bench_cpu_ops.row_bytes(decode) == 512 * 2 * 256 * 4
+    assert bench_cpu_ops.row_flops(prefill) == 4 * 4 * 256 * (10 + 6 * 4)
+    assert bench_cpu_ops.row_flops({**prefill, "window": None}) == 4 * 4 * 256 * 55
+
+
 def test_matrix_goal_bound():
     """A row's lower bound on this CPU and the share of it the 0.8x-vLLM goal needs: a decode
     of B=2, 8/8 heads of 64 over 1000 keys is 4 * 2 * 8 * 64 * 1000 flops over 2 * 2 * 1000 *
