@@ -23,6 +23,10 @@ exceeds ``--max-prefill-tflop`` are listed as skipped, not dropped. Each row als
 multiply-add peak, or its bytes at the measured read rate of a warm buffer of their size,
 whichever is longer (``cpu_limits``); ``matrix_markdown`` counts the rows where 0.8x vLLM's time
 is under it. ``--matrix --quick`` is the smoke-test subset.
+
+``--model-shapes`` (docs/performance.md section 16) runs Gemma 3's attention shapes instead
+(4/1 heads of 256, sliding window 512 or none; decode and causal prefill, fp32 and bf16) as
+matrix rows with every cache flushed before each timed call (``bench_cpu_model_shapes.json``).
 """
 from __future__ import annotations
 
@@ -628,8 +632,8 @@ def model_shape_cases(quick: bool) -> list[Case]:
     """Gemma 3 270M's attention (4 query / 1 KV head of 256; window 512 on 15 of 18 layers):
     decode and causal prefill, fp32 and bf16, with and without the window."""
     if quick:
-        return [Case(f"decode B=1 ctx 1k 4/1 D=256 w={w} float32", "decode", 1, 1024, 4, 1,
-                     256, "float32", w) for w in (None, 512)]
+        return [Case(f"{kind} B=1 ctx 1k 4/1 D=256 w={w} float32", kind, 1, 1024, 4, 1, 256,
+                     "float32", w) for kind in ("decode", "prefill") for w in (None, 512)]
     cases = []
     for dt in ("float32", "bfloat16"):
         for w in (None, 512):
@@ -723,6 +727,8 @@ def _matrix_args(parser) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(__doc__, argv, _matrix_args)
+    if args.model_shapes and args.matrix:
+        raise SystemExit("--model-shapes and --matrix are two runs: pick one")
     if args.model_shapes:
         payload = run_model_shapes(args.out, args.quick)
         print(model_shapes_markdown(payload))

@@ -223,13 +223,16 @@ def test_cpu_ops_matrix(out):
 
 def test_cpu_model_shapes(out):
     """Gemma 3's shapes with and without a window: every implementation computes the same
-    windowed attention (ours, vLLM's kernel, SDPA on the window), caches flushed."""
+    windowed attention (ours, SDPA on the window or a band mask, and vLLM's kernel where vLLM
+    is installed), caches flushed."""
     bench_cpu_ops.run_model_shapes(out, quick=True)
     data = _load(out, "bench_cpu_model_shapes")
-    assert [r["window"] for r in data["rows"]] == [None, 512]
+    assert [(r["kind"], r["window"]) for r in data["rows"]] == [
+        ("decode", None), ("decode", 512), ("prefill", None), ("prefill", 512)]
     for r in data["rows"]:
         assert (r["head_size"], r["q_heads"], r["kv_heads"]) == (256, 4, 1)
-        assert r["caches_flushed"] and r["max_abs_diff"] < 5e-2 and r["ours_ms"] > 0
+        # fp32: one key more or less in a window of 512 moves outputs by ~1e-2
+        assert r["caches_flushed"] and r["max_abs_diff"] < 1e-4 and r["ours_ms"] > 0
     assert "rows at or under 1.0x" in bench_cpu_ops.model_shapes_markdown(data)
 
 

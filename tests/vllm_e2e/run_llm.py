@@ -1,15 +1,18 @@
-"""Run offline vLLM generation and print the result as one JSON line per dtype (in a subprocess).
+"""Run offline vLLM generation and print one JSON result line per engine (in a subprocess).
 
 Usage: python run_llm.py MODEL_DIR [--tp N] [--dcp N] [--pcp N] [--interleave I] [--block-size B]
        [--max-tokens N|JSON] [--max-num-seqs N] [--max-batched N] [--logprobs K]
        [--prompt-logprobs K] [--dtype float32|bfloat16|float32,bfloat16] [--dcp-comm-backend ag_rs|a2a]
        [--prefix-caching] [--retention-interval N|none] [--disable-hybrid-kv-cache-manager]
        [--sequential] [--ttft] [--no-eager] [--nnodes N --master-port P [--master-addr A]]
-       [--ngram K,MAX,MIN] --prompts JSON|@FILE
+       [--ngram K,MAX,MIN] [--num-gpu-blocks none,N,...] --prompts JSON|@FILE
 The attention backend is chosen by the environment (CP_ATTENTION_VLLM=1: cp_attention).
 ``--ngram K,MAX,MIN``: ngram speculative decoding (K speculative tokens, prompt_lookup_max MAX,
 prompt_lookup_min MIN) with vLLM's stats on; the result then holds ``spec``, vLLM's
 ``vllm:spec_decode_*`` counters after generation (``LLM.get_metrics()``).
+``--num-gpu-blocks`` (comma list, ``none`` = vLLM's own budget): one engine per dtype and
+budget, in that order; each result has a ``label`` (the dtype, or ``DTYPE/N blocks``), and
+``num_preemptions``, vLLM's ``vllm:num_preemptions`` counted during its own generation.
 With ``--nnodes N`` this process is node 0 of vLLM's multi-node launch (its engine and the first
 world_size/N workers); nodes 1..N-1 run ``launch/vllm_serve.py MODEL ... --headless``.
 """

@@ -43,8 +43,10 @@ LOGPROB_TOL = 5e-3
 SMOL_LEN = 8 * DCP * BLOCK  # 512 tokens: 8 blocks of the sharded cache
 GEMMA_LEN = 7 * DCP * BLOCK  # 448 tokens: 7 global (sharded) blocks, 14 per window group
 GEMMA_WINDOW_GROUPS = 5  # 15 window layers in groups of 3, beside the 3 global layers
-BLOCKS_PER_PROMPT = {"smollm2": SMOL_LEN // (DCP * BLOCK),
-                     "gemma3": GEMMA_LEN // (DCP * BLOCK) + GEMMA_WINDOW_GROUPS * GEMMA_LEN // BLOCK}
+BLOCKS_PER_PROMPT = {
+    "smollm2": SMOL_LEN // (DCP * BLOCK),
+    "gemma3": GEMMA_LEN // (DCP * BLOCK) + GEMMA_WINDOW_GROUPS * GEMMA_LEN // BLOCK,
+}
 LENGTHS = {"smollm2": SMOL_LEN, "gemma3": GEMMA_LEN}
 ENV = {**CP, "CP_ATTENTION_VLLM_CHECK_TOKENS": "1", **MULTI_WORKER}
 

@@ -8,7 +8,7 @@ builder used to build every step's metadata with the spec's window, and the glob
 refused it ("metadata was built for sliding_window=512 but this layer uses None"). It now
 builds one per window of its layers, and each impl takes its own (``by_window``); vLLM's
 CPU_ATTN takes the window from the layers too (``cpu_attn.py`` ``_group_sliding_window``).
-End to end: ``test_gemma3.py`` (``cp_pcp2_nohybrid``).
+End to end: ``test_gemma3.py`` (``cp_pcp2_dcp2_nohybrid``).
 """
 from __future__ import annotations
 

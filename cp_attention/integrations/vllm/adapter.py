@@ -52,7 +52,7 @@ def window_kv_replicated(vllm_config) -> bool:
     on: vLLM's ``SlidingWindowSpec`` cannot be DCP-sharded (its pool sizing and its prefix-cache
     lookup assert dcp = 1, ``vllm/v1/kv_cache_interface.py:889``,
     ``vllm/v1/core/single_type_kv_cache_manager.py:971``), but a group marked
-    ``dcp_sharded=False`` is accepted (``vllm/v1/core/kv_cache_coordinator.py:669-684``) and
+    ``dcp_sharded=False`` is accepted (``vllm/v1/core/kv_cache_coordinator.py:667-679``) and
     holds only the window, about ``window + batch budget`` tokens per request, on each rank.
     With the hybrid manager off vLLM treats window layers as full attention (every token kept),
     so they stay sharded like the global layers and the window is applied in global
