@@ -10,9 +10,10 @@ The attention backend is chosen by the environment (CP_ATTENTION_VLLM=1: cp_atte
 ``--ngram K,MAX,MIN``: ngram speculative decoding (K speculative tokens, prompt_lookup_max MAX,
 prompt_lookup_min MIN) with vLLM's stats on; the result then holds ``spec``, vLLM's
 ``vllm:spec_decode_*`` counters after generation (``LLM.get_metrics()``).
-``--num-gpu-blocks`` (comma list, ``none`` = vLLM's own budget): one engine per dtype and
-budget, in that order; each result has a ``label`` (the dtype, or ``DTYPE/N blocks``), and
-``num_preemptions``, vLLM's ``vllm:num_preemptions`` counted during its own generation.
+Each result has a ``label``: its dtype, or ``DTYPE/N blocks`` with ``--num-gpu-blocks`` (comma
+list, ``none`` = vLLM's own budget: one engine per dtype and budget, in that order, stats on);
+with that flag it also holds ``num_preemptions``, vLLM's ``vllm:num_preemptions`` counted
+during its own generation.
 With ``--nnodes N`` this process is node 0 of vLLM's multi-node launch (its engine and the first
 world_size/N workers); nodes 1..N-1 run ``launch/vllm_serve.py MODEL ... --headless``.
 """
@@ -120,7 +121,8 @@ def main() -> None:
         t0 = time.time()
         llm = LLM(**kwargs, dtype=dtype, num_gpu_blocks_override=blocks)
         t1 = time.time()
-        preempted_before = _counter(llm, "vllm:num_preemptions")  # the registry is per process
+        preempted_before = (_counter(llm, "vllm:num_preemptions")  # the registry is per process
+                            if a.num_gpu_blocks is not None else 0.0)
         if a.sequential:
             outputs = [out for prompt, param in zip(prompts, params)
                        for out in llm.generate([prompt], [param], use_tqdm=False)]
@@ -130,10 +132,10 @@ def main() -> None:
         result = {"dtype": dtype, "label": dtype if blocks is None else f"{dtype}/{blocks} blocks",
                   "init_s": round(t1 - t0, 2), "generate_s": round(t2 - t1, 2),
                   "requests": [_request(out, a.logprobs, a.ttft) for out in outputs]}
-        if a.ngram is not None or a.num_gpu_blocks is not None:
-            metrics = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
-            result["spec"] = {k: v for k, v in metrics.items()
-                              if k.startswith("vllm:spec_decode_")}
+        if a.ngram is not None:
+            result["spec"] = {m.name: m.value for m in llm.get_metrics()
+                              if m.name.startswith("vllm:spec_decode_") and hasattr(m, "value")}
+        if a.num_gpu_blocks is not None:
             result["num_preemptions"] = (_counter(llm, "vllm:num_preemptions")
                                          - preempted_before)
         print(RESULT_PREFIX + json.dumps(result), flush=True)
