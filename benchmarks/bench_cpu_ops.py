@@ -428,6 +428,17 @@ def measure_matrix_row(case: Case, sequential: bool, repeats: int, with_vllm: bo
     return row
 
 
+def _logged_row(case: Case, sequential: bool, repeats: int, with_vllm: bool,
+                roof: tuple[float, float], peaks: dict[str, float],
+                flush: torch.Tensor | None = None) -> dict:
+    """:func:`measure_matrix_row`, its caches freed and its times printed."""
+    row = measure_matrix_row(case, sequential, repeats, with_vllm, roof, peaks, flush)
+    gc.collect()  # the row's caches sit in reference cycles (layer, bound methods)
+    print(f"{case.label}{' seq' if sequential else ''}: " + ", ".join(
+        f"{k[:-3]} {row[k]:.2f}" for k in row if k.endswith("_ms")), flush=True)
+    return row
+
+
 @lru_cache(maxsize=None)
 def _read_gbs(nbytes: int) -> float:
     return cpu_limits.read_gbs(nbytes)
@@ -459,10 +470,7 @@ def run_matrix(out_dir: str | Path, quick: bool = False, threads: int = 1,
                                 "reason": reason})
                 continue
             repeats = 2 if quick else (3 if case.kind == "decode" else 2)
-            rows.append(measure_matrix_row(case, sequential, repeats, with_vllm, roof, peaks))
-            gc.collect()  # the row's caches sit in reference cycles (layer, bound methods)
-            print(f"{case.label}{' seq' if sequential else ''}: " + ", ".join(
-                f"{k[:-3]} {rows[-1][k]:.2f}" for k in rows[-1] if k.endswith("_ms")), flush=True)
+            rows.append(_logged_row(case, sequential, repeats, with_vllm, roof, peaks))
     finally:
         torch.set_num_threads(saved)
     payload = {
@@ -659,10 +667,7 @@ def run_model_shapes(out_dir: str | Path, quick: bool = False, threads: int = 1)
         peaks = cpu_limits.peak_gflops()
         for case in model_shape_cases(quick):
             repeats = 2 if quick else (5 if case.kind == "decode" else 2)
-            rows.append(measure_matrix_row(case, False, repeats, with_vllm, roof, peaks, flush))
-            gc.collect()
-            print(f"{case.label}: " + ", ".join(
-                f"{k[:-3]} {rows[-1][k]:.2f}" for k in rows[-1] if k.endswith("_ms")), flush=True)
+            rows.append(_logged_row(case, False, repeats, with_vllm, roof, peaks, flush))
     finally:
         torch.set_num_threads(saved)
     payload = {
